@@ -1,0 +1,33 @@
+# Find LibTorch. Order: an explicit Torch_DIR / CMAKE_PREFIX_PATH, else the installed Python
+# torch (torch.utils.cmake_prefix_path) of APEX_PYTHON_EXECUTABLE.
+if(NOT APEX_PYTHON_EXECUTABLE)
+  if(EXISTS /opt/apex-cpp/venv/bin/python)
+    set(_apex_py /opt/apex-cpp/venv/bin/python)
+  else()
+    find_program(_apex_py NAMES python3 python)
+  endif()
+  set(APEX_PYTHON_EXECUTABLE ${_apex_py} CACHE FILEPATH "Python whose torch package is used")
+endif()
+
+find_package(Torch QUIET CONFIG)
+if(NOT Torch_FOUND)
+  if(NOT APEX_PYTHON_EXECUTABLE)
+    message(FATAL_ERROR "LibTorch not found: set Torch_DIR, or install torch into a Python "
+                        "and pass -DAPEX_PYTHON_EXECUTABLE=/path/to/python (scripts/setup does this)")
+  endif()
+  execute_process(
+    COMMAND ${APEX_PYTHON_EXECUTABLE} -c "import torch; print(torch.utils.cmake_prefix_path)"
+    OUTPUT_VARIABLE _apex_torch_prefix OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _rc)
+  if(NOT _rc EQUAL 0)
+    message(FATAL_ERROR "${APEX_PYTHON_EXECUTABLE} cannot import torch; run scripts/setup")
+  endif()
+  list(APPEND CMAKE_PREFIX_PATH ${_apex_torch_prefix})
+  find_package(Torch REQUIRED CONFIG)
+endif()
+
+# Torch's config prepends its own flags to CMAKE_CXX_FLAGS; the imported target carries them too.
+if(TARGET torch_cuda OR TARGET c10_cuda OR TORCH_CUDA_LIBRARIES)
+  set(APEX_TORCH_HAS_CUDA ON)
+else()
+  set(APEX_TORCH_HAS_CUDA OFF)
+endif()

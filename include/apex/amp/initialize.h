@@ -1,0 +1,176 @@
+#pragma once
+
+#include <apex/amp/autocast.h>
+#include <apex/amp/loss_scaler.h>
+#include <apex/amp/options.h>
+#include <apex/amp/scale_loss.h>
+
+#include <apex/state_dict.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace apex::amp {
+
+/// The handle `initialize` returns. It owns the loss scalers and the fp32 master weights, and
+/// drives the mixed-precision training step:
+///
+///   auto amp = apex::amp::initialize(model, optimizer, apex::amp::OptLevel::O2);
+///   for (...) {
+///     amp.zero_grad();
+///     auto loss = loss_fn(amp.forward(model, x), y);
+///     amp.scale_loss(loss).backward();
+///     amp.step();            // skipped (and the scale lowered) when gradients overflowed
+///   }
+///
+/// The optimizers are referenced, not owned: they must outlive the handle.
+class Amp {
+ public:
+  Amp(std::vector<std::shared_ptr<torch::nn::Module>> models,
+      std::vector<torch::optim::Optimizer*> optimizers, const Options& options);
+  ~Amp();
+  Amp(Amp&&) noexcept;
+  Amp& operator=(Amp&&) noexcept;
+  Amp(const Amp&) = delete;
+  Amp& operator=(const Amp&) = delete;
+
+  const Properties& properties() const;
+
+  /// Runs `module->forward(args...)` under this level's policy: autocast for O1; floating tensor
+  /// inputs cast to the model dtype for O2/O3; floating tensor outputs (also inside tuples and
+  /// vectors) cast to `cast_model_outputs` (fp32).
+  template <typename ModuleHolder, typename... Args>
+  auto forward(ModuleHolder& module, Args&&... args) {
+    std::optional<AutocastGuard> guard;
+    if (autocast_enabled()) {
+      guard.emplace(device_type_of(*module), properties().half_dtype, true);
+    }
+    return cast_output(module->forward(cast_input(std::forward<Args>(args))...));
+  }
+
+  /// An autocast region with this level's settings for code outside `forward` (a loss function,
+  /// say); it is a no-op region unless the level autocasts (O1).
+  AutocastGuard autocast(c10::DeviceType device) const {
+    return AutocastGuard(device, properties().half_dtype, autocast_enabled());
+  }
+
+  /// Starts a scaled-loss scope for `loss` (a one-element floating tensor) with scaler `loss_id`.
+  ScaledLoss scale_loss(const at::Tensor& loss, int64_t loss_id = 0,
+                        const ScaleLossOptions& options = {});
+
+  /// Steps every optimizer whose gradients did not overflow, then copies fp32 masters into the
+  /// half model parameters. Returns true when every optimizer stepped. At most one host
+  /// synchronization (reading the overflow flags).
+  bool step();
+  /// Same, for the optimizer at `index` only.
+  bool step(size_t index);
+  /// Clears model and master gradients (sets them undefined, as `zero_grad(true)` does).
+  void zero_grad();
+
+  /// Current scale of loss scaler `loss_id`.
+  double loss_scale(int64_t loss_id = 0);
+  /// Loss scaler `loss_id` (after resolving pending overflow checks).
+  const LossScaler& loss_scaler(int64_t loss_id = 0);
+  /// Steps skipped because of overflow, for optimizer `index`.
+  int64_t skipped_steps(size_t index = 0) const;
+  /// The parameters optimizer `index` updates (fp32 masters where master weights are on).
+  std::vector<at::Tensor> master_params(size_t index = 0) const;
+  size_t num_optimizers() const;
+  torch::optim::Optimizer& optimizer(size_t index);
+
+  /// `{"opt_level", "loss_scaler<i>": {...}, "master_params": [[tensor, ...] per optimizer]}`;
+  /// readable by Python's `torch.load(f, weights_only=True)`. The master weights are included
+  /// (apex left them out, and resumed O2 runs spiked).
+  StateDict state_dict();
+  /// Restores `state_dict()` output: scaler states, master weights (and the model parameters cast
+  /// from them). Everything is validated before anything changes.
+  void load_state_dict(const StateDict& state);
+  /// Writes `state_dict()` to `path` atomically (temporary file, then rename).
+  void save(const std::string& path);
+  void load(const std::string& path);
+
+ private:
+  bool autocast_enabled() const;
+  static c10::DeviceType device_type_of(const torch::nn::Module& module);
+  at::Tensor cast_tensor(const at::Tensor& t, c10::ScalarType dtype) const;
+
+  template <typename T>
+  decltype(auto) cast_input(T&& value) const {
+    using D = std::decay_t<T>;
+    if constexpr (std::is_same_v<D, at::Tensor>) {
+      return input_cast_type() ? cast_tensor(value, *input_cast_type()) : at::Tensor(value);
+    } else if constexpr (std::is_same_v<D, std::vector<at::Tensor>>) {
+      std::vector<at::Tensor> out;
+      out.reserve(value.size());
+      for (const auto& t : value) out.push_back(cast_input(t));
+      return out;
+    } else {
+      return std::forward<T>(value);
+    }
+  }
+
+  template <typename T>
+  auto cast_output(T&& value) const {
+    using D = std::decay_t<T>;
+    if constexpr (std::is_same_v<D, at::Tensor>) {
+      return cast_tensor(value, properties().cast_model_outputs);
+    } else if constexpr (std::is_same_v<D, std::vector<at::Tensor>>) {
+      std::vector<at::Tensor> out;
+      out.reserve(value.size());
+      for (const auto& t : value) out.push_back(cast_output(t));
+      return out;
+    } else if constexpr (is_tuple<D>::value) {
+      return std::apply([this](auto&&... e) { return std::make_tuple(cast_output(e)...); },
+                        std::forward<T>(value));
+    } else {
+      return D(std::forward<T>(value));
+    }
+  }
+
+  template <typename T>
+  struct is_tuple : std::false_type {};
+  template <typename... Ts>
+  struct is_tuple<std::tuple<Ts...>> : std::true_type {};
+
+  const std::optional<c10::ScalarType>& input_cast_type() const;
+
+  std::unique_ptr<detail::AmpState> state_;
+};
+
+/// apex's `amp.initialize`: validates the models (fp32 parameters and buffers), casts them as the
+/// opt level says, installs fp32 master weights into the optimizers (O2), and builds
+/// `num_losses` loss scalers. Each optimizer may be initialized once.
+Amp initialize(std::vector<std::shared_ptr<torch::nn::Module>> models,
+               std::vector<torch::optim::Optimizer*> optimizers, const Options& options = {});
+
+/// One model and one optimizer: `initialize(model, optimizer, OptLevel::O2)`.
+template <typename ModuleType>
+Amp initialize(torch::nn::ModuleHolder<ModuleType>& model, torch::optim::Optimizer& optimizer,
+               const Options& options = {}) {
+  return initialize({model.ptr()}, {&optimizer}, options);
+}
+
+/// A model without an optimizer (inference at the level's precision).
+template <typename ModuleType>
+Amp initialize(torch::nn::ModuleHolder<ModuleType>& model, const Options& options = {}) {
+  return initialize({model.ptr()}, {}, options);
+}
+
+}  // namespace apex::amp

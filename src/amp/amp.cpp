@@ -1,0 +1,710 @@
+#include <apex/amp/initialize.h>
+#include <apex/amp/utils.h>
+
+#include "../common/io.h"
+#include "unscale.h"
+
+#include <ATen/ops/_foreach_copy.h>
+#include <ATen/ops/cat.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <algorithm>
+#include <exception>
+#include <iostream>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace apex::amp {
+namespace detail {
+
+/// One parameter the optimizer updates. `copy` slots hold a half model parameter and its fp32
+/// master (O2); otherwise model and master are the same tensor.
+struct Slot {
+  at::Tensor model;
+  at::Tensor master;
+  bool copy = false;
+  at::Tensor stash;  // unscaled gradient set aside while a new backward runs
+};
+
+struct OptimizerEntry {
+  torch::optim::Optimizer* optimizer = nullptr;
+  std::vector<Slot> slots;
+  bool scaled_pending = false;  // a delay_unscale scope left scaled gradients
+  int64_t pending_loss_id = -1;
+  bool backward_since_step = false;
+  bool overflowed = false;  // a resolved overflow check hit this optimizer since its last step
+  int64_t skipped = 0;
+};
+
+/// The overflow flags one scale_loss scope produced, not yet read on the host.
+struct PendingCheck {
+  int64_t loss_id;
+  std::vector<size_t> targets;
+  std::vector<at::Tensor> flags;
+};
+
+struct AmpState {
+  Properties props;
+  std::vector<std::shared_ptr<torch::nn::Module>> models;
+  std::vector<OptimizerEntry> entries;
+  std::vector<LossScaler> scalers;
+  std::vector<PendingCheck> pending;
+  std::exception_ptr deferred;
+  int verbosity = 1;
+  // Static scale 1.0 without master weights: apex's fast path, no unscale and no check.
+  bool fast_path = false;
+
+  ~AmpState();
+  void rethrow_deferred();
+  std::vector<size_t> targets_of(const ScaleLossOptions& options) const;
+  template <typename Pred>
+  void resolve(Pred&& pred);
+  void prepare_backward(size_t target, int64_t loss_id);
+  void post_backward(const std::vector<size_t>& targets, int64_t loss_id);
+  void abandon(const std::vector<size_t>& targets);
+  void clear_grads(OptimizerEntry& e);
+  void copy_masters_to_model(OptimizerEntry& e);
+};
+
+namespace {
+
+std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::unordered_set<const torch::optim::Optimizer*>& registry() {
+  static std::unordered_set<const torch::optim::Optimizer*> r;
+  return r;
+}
+
+}  // namespace
+
+AmpState::~AmpState() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  for (const auto& e : entries) registry().erase(e.optimizer);
+}
+
+void AmpState::rethrow_deferred() {
+  if (deferred) {
+    auto e = deferred;
+    deferred = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+std::vector<size_t> AmpState::targets_of(const ScaleLossOptions& options) const {
+  std::vector<size_t> targets = options.optimizers();
+  if (targets.empty()) {
+    for (size_t i = 0; i < entries.size(); ++i) targets.push_back(i);
+  }
+  for (size_t t : targets) {
+    TORCH_CHECK(t < entries.size(), "Amp::scale_loss: optimizer index ", t,
+                " out of range; initialize received ", entries.size(), " optimizer(s)");
+  }
+  std::sort(targets.begin(), targets.end());
+  targets.erase(std::unique(targets.begin(), targets.end()), targets.end());
+  return targets;
+}
+
+template <typename Pred>
+void AmpState::resolve(Pred&& pred) {
+  std::vector<size_t> idx;
+  for (size_t i = 0; i < pending.size(); ++i) {
+    if (pred(pending[i])) idx.push_back(i);
+  }
+  if (idx.empty()) return;
+  // One host synchronization for all checks: their totals are gathered on one device first.
+  c10::Device device(c10::kCPU);
+  for (size_t i : idx) {
+    if (!pending[i].flags.empty()) {
+      device = pending[i].flags.front().device();
+      break;
+    }
+  }
+  std::vector<at::Tensor> totals;
+  totals.reserve(idx.size());
+  for (size_t i : idx) totals.push_back(sum_flags(pending[i].flags, device));
+  const at::Tensor values = at::cat(totals).to(c10::kCPU);
+  const float* v = values.const_data_ptr<float>();
+  for (size_t k = 0; k < idx.size(); ++k) {
+    const PendingCheck& check = pending[idx[k]];
+    const bool overflow = v[k] != 0.0f;
+    auto& scaler = scalers[static_cast<size_t>(check.loss_id)];
+    scaler.update(overflow);
+    if (overflow) {
+      for (size_t t : check.targets) entries[t].overflowed = true;
+      if (verbosity > 0) {
+        std::cerr << "apex::amp: gradient overflow, skipping step; loss scaler " << check.loss_id
+                  << " now at loss scale " << scaler.loss_scale() << '\n';
+      }
+    }
+  }
+  for (size_t k = idx.size(); k-- > 0;) {
+    pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(idx[k]));
+  }
+}
+
+void AmpState::prepare_backward(size_t target, int64_t loss_id) {
+  auto& e = entries[target];
+  if (e.scaled_pending) {
+    // Accumulating onto gradients a delay_unscale scope left scaled by the same scaler.
+    TORCH_CHECK(e.pending_loss_id == loss_id, "Amp::scale_loss: optimizer ", target,
+                " holds gradients still scaled by loss scaler ", e.pending_loss_id,
+                " (delay_unscale=true); the next scale_loss for it must use loss_id ",
+                e.pending_loss_id, ", got ", loss_id);
+    return;
+  }
+  for (auto& s : e.slots) {
+    if (s.copy) {
+      s.model.mutable_grad() = at::Tensor();  // already folded into the master gradient
+    } else {
+      s.stash = std::move(s.model.mutable_grad());
+      s.model.mutable_grad() = at::Tensor();
+    }
+  }
+}
+
+void AmpState::post_backward(const std::vector<size_t>& targets, int64_t loss_id) {
+  std::vector<at::Tensor> to_unscale;
+  std::vector<std::pair<Slot*, at::Tensor>> converted;
+  for (size_t t : targets) {
+    for (auto& s : entries[t].slots) {
+      const at::Tensor& g = s.model.grad();
+      if (!g.defined()) continue;
+      TORCH_CHECK(!g.is_sparse(), "Amp: sparse gradients are not supported (parameter of shape ",
+                  s.model.sizes(), ")");
+      if (s.copy) {
+        at::Tensor g32 = g.to(at::kFloat);
+        to_unscale.push_back(g32);
+        converted.emplace_back(&s, std::move(g32));
+      } else {
+        to_unscale.push_back(g);
+      }
+    }
+  }
+  PendingCheck check{loss_id, targets, {}};
+  scalers[static_cast<size_t>(loss_id)].unscale_(to_unscale, check.flags);
+  for (auto& [slot, g32] : converted) {
+    at::Tensor& mg = slot->master.mutable_grad();
+    if (mg.defined()) {
+      mg.add_(g32);
+    } else {
+      mg = g32;
+    }
+    slot->model.mutable_grad() = at::Tensor();
+  }
+  for (size_t t : targets) {
+    auto& e = entries[t];
+    for (auto& s : e.slots) {
+      if (s.copy || !s.stash.defined()) continue;
+      at::Tensor& g = s.model.mutable_grad();
+      if (g.defined()) {
+        g.add_(s.stash);
+      } else {
+        g = s.stash;
+      }
+      s.stash = at::Tensor();
+    }
+    e.scaled_pending = false;
+    e.pending_loss_id = -1;
+    e.backward_since_step = true;
+  }
+  pending.push_back(std::move(check));
+}
+
+void AmpState::abandon(const std::vector<size_t>& targets) {
+  // The scope ended without a usable backward: drop partial gradients, restore what was stashed.
+  for (size_t t : targets) {
+    auto& e = entries[t];
+    if (e.scaled_pending) continue;
+    for (auto& s : e.slots) {
+      if (s.copy) {
+        s.model.mutable_grad() = at::Tensor();
+      } else {
+        s.model.mutable_grad() = std::move(s.stash);
+        s.stash = at::Tensor();
+      }
+    }
+  }
+}
+
+void AmpState::clear_grads(OptimizerEntry& e) {
+  for (auto& s : e.slots) {
+    s.model.mutable_grad() = at::Tensor();
+    s.master.mutable_grad() = at::Tensor();
+    s.stash = at::Tensor();
+  }
+  e.scaled_pending = false;
+  e.pending_loss_id = -1;
+}
+
+void AmpState::copy_masters_to_model(OptimizerEntry& e) {
+  std::vector<at::Tensor> dst;
+  std::vector<at::Tensor> src;
+  for (auto& s : e.slots) {
+    if (!s.copy) continue;
+    dst.push_back(s.model);
+    src.push_back(s.master);
+  }
+  if (dst.empty()) return;
+  at::NoGradGuard no_grad;
+  at::_foreach_copy_(dst, src);
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// ScaledLoss
+
+ScaledLoss::ScaledLoss(detail::AmpState* state, at::Tensor scaled, int64_t loss_id,
+                       ScaleLossOptions options)
+    : state_(state),
+      scaled_(std::move(scaled)),
+      loss_id_(loss_id),
+      options_(std::move(options)),
+      uncaught_at_entry_(std::uncaught_exceptions()) {}
+
+ScaledLoss::~ScaledLoss() {
+  if (finished_) return;
+  try {
+    finish();
+  } catch (...) {
+    // Destructors must not throw; the next call on the Amp handle raises this.
+    if (!state_->deferred) state_->deferred = std::current_exception();
+  }
+}
+
+void ScaledLoss::backward(bool retain_graph) {
+  TORCH_CHECK(!finished_, "ScaledLoss::backward: this scale_loss scope has already finished");
+  TORCH_CHECK(!backward_done_,
+              "ScaledLoss::backward: backward was already called in this scale_loss scope; "
+              "start a new scope for another backward pass");
+  scaled_.backward({}, retain_graph);
+  backward_done_ = true;
+}
+
+void ScaledLoss::finish() {
+  if (finished_) return;
+  finished_ = true;
+  auto& st = *state_;
+  const auto targets = st.targets_of(options_);
+  if (std::uncaught_exceptions() > uncaught_at_entry_ || !backward_done_) {
+    if (!st.fast_path) st.abandon(targets);
+    return;
+  }
+  if (st.fast_path) {
+    for (size_t t : targets) st.entries[t].backward_since_step = true;
+    return;
+  }
+  if (options_.delay_unscale()) {
+    for (size_t t : targets) {
+      st.entries[t].scaled_pending = true;
+      st.entries[t].pending_loss_id = loss_id_;
+    }
+    return;
+  }
+  st.post_backward(targets, loss_id_);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Amp
+
+Amp::Amp(std::vector<std::shared_ptr<torch::nn::Module>> models,
+         std::vector<torch::optim::Optimizer*> optimizers, const Options& options)
+    : state_(std::make_unique<detail::AmpState>()) {
+  auto& st = *state_;
+  st.props = Properties::resolve(options);
+  st.verbosity = options.verbosity();
+  const auto& p = st.props;
+
+  // Every check first: a failed initialize changes nothing.
+  for (size_t i = 0; i < models.size(); ++i) {
+    TORCH_CHECK(models[i] != nullptr, "apex::amp::initialize: model ", i, " is null");
+    if (!p.enabled) continue;
+    for (const auto& np : models[i]->named_parameters()) {
+      TORCH_CHECK(!np.value().is_floating_point() || np.value().scalar_type() == at::kFloat,
+                  "apex::amp::initialize: model ", i, " parameter '", np.key(), "' has dtype ",
+                  np.value().scalar_type(),
+                  "; initialize expects an fp32 model (it casts the model itself as the "
+                  "opt level requires)");
+    }
+    for (const auto& nb : models[i]->named_buffers()) {
+      TORCH_CHECK(!nb.value().is_floating_point() || nb.value().scalar_type() == at::kFloat,
+                  "apex::amp::initialize: model ", i, " buffer '", nb.key(), "' has dtype ",
+                  nb.value().scalar_type(), "; initialize expects an fp32 model");
+    }
+  }
+  const int64_t n_losses = options.num_losses();
+  for (int64_t i = 0; i < n_losses; ++i) {
+    LossScalerOptions so;
+    so.dynamic(p.loss_scale.is_dynamic())
+        .init_scale(p.loss_scale.is_dynamic() ? options.init_loss_scale() : p.loss_scale.value())
+        .growth_interval(options.growth_interval())
+        .hysteresis(options.hysteresis())
+        .min_scale(options.min_loss_scale())
+        .max_scale(options.max_loss_scale());
+    st.scalers.emplace_back(so);
+  }
+
+  {
+    std::lock_guard<std::mutex> lock(detail::registry_mutex());
+    std::unordered_set<const torch::optim::Optimizer*> seen;
+    for (size_t i = 0; i < optimizers.size(); ++i) {
+      TORCH_CHECK(optimizers[i] != nullptr, "apex::amp::initialize: optimizer ", i, " is null");
+      TORCH_CHECK(seen.insert(optimizers[i]).second && !detail::registry().count(optimizers[i]),
+                  "apex::amp::initialize: optimizer ", i,
+                  " was already passed to initialize; each optimizer may be initialized once");
+    }
+    for (auto* o : optimizers) detail::registry().insert(o);
+  }
+
+  // Masters take the exact fp32 values the parameters had before the cast (apex copied them from
+  // the already-rounded half parameters).
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> fp32_values;
+  if (p.master_weights && p.cast_model_type && *p.cast_model_type != at::kFloat) {
+    for (auto* opt : optimizers) {
+      for (auto& group : opt->param_groups()) {
+        for (auto& param : group.params()) {
+          if (param.is_floating_point() && param.scalar_type() == at::kFloat) {
+            fp32_values.emplace(param.unsafeGetTensorImpl(), param.detach().clone());
+          }
+        }
+      }
+    }
+  }
+  if (p.cast_model_type) {
+    for (auto& m : models) {
+      if (p.keep_batchnorm_fp32) {
+        convert_network(*m, *p.cast_model_type);
+      } else {
+        m->to(*p.cast_model_type);
+      }
+    }
+  }
+  st.models = std::move(models);
+
+  bool any_copy = false;
+  for (auto* opt : optimizers) {
+    detail::OptimizerEntry e;
+    e.optimizer = opt;
+    for (auto& group : opt->param_groups()) {
+      for (auto& param : group.params()) {
+        detail::Slot s;
+        s.model = param;
+        if (p.master_weights && param.is_floating_point() && param.scalar_type() != at::kFloat) {
+          auto saved = fp32_values.find(param.unsafeGetTensorImpl());
+          at::Tensor master = saved != fp32_values.end() ? saved->second
+                                                         : param.detach().to(at::kFloat).clone();
+          master.set_requires_grad(true);
+          // The optimizer's state (if it stepped before) follows its parameter to the master.
+          auto& state = opt->state();
+          auto it = state.find(param.unsafeGetTensorImpl());
+          if (it != state.end()) {
+            auto moved = std::move(it->second);
+            state.erase(it);
+            state[master.unsafeGetTensorImpl()] = std::move(moved);
+          }
+          param = master;
+          s.master = master;
+          s.copy = true;
+          any_copy = true;
+        } else {
+          s.master = param;
+        }
+        e.slots.push_back(std::move(s));
+      }
+    }
+    st.entries.push_back(std::move(e));
+  }
+  st.fast_path = !p.loss_scale.is_dynamic() && p.loss_scale.value() == 1.0 && !any_copy;
+  if (st.verbosity > 0 && p.enabled) {
+    std::cerr << "apex::amp: initialized with\n" << p.describe();
+  }
+}
+
+Amp::~Amp() = default;
+Amp::Amp(Amp&&) noexcept = default;
+Amp& Amp::operator=(Amp&&) noexcept = default;
+
+const Properties& Amp::properties() const { return state_->props; }
+
+bool Amp::autocast_enabled() const {
+  return state_->props.enabled && state_->props.patch_torch_functions;
+}
+
+const std::optional<c10::ScalarType>& Amp::input_cast_type() const {
+  return state_->props.cast_model_type;
+}
+
+c10::DeviceType Amp::device_type_of(const torch::nn::Module& module) {
+  for (const auto& p : module.parameters()) return p.device().type();
+  for (const auto& b : module.buffers()) return b.device().type();
+  return c10::kCPU;
+}
+
+at::Tensor Amp::cast_tensor(const at::Tensor& t, c10::ScalarType dtype) const {
+  if (!t.defined() || !t.is_floating_point() || t.scalar_type() == dtype) return t;
+  return t.to(dtype);
+}
+
+ScaledLoss Amp::scale_loss(const at::Tensor& loss, int64_t loss_id,
+                           const ScaleLossOptions& options) {
+  auto& st = *state_;
+  st.rethrow_deferred();
+  TORCH_CHECK(loss.defined(), "Amp::scale_loss: loss is an undefined tensor");
+  TORCH_CHECK(loss.numel() == 1,
+              "Amp::scale_loss: loss must be a scalar (one element), got shape ", loss.sizes(),
+              "; reduce it first (e.g. mean())");
+  TORCH_CHECK(loss.is_floating_point(), "Amp::scale_loss: loss must be floating point, got ",
+              loss.scalar_type());
+  TORCH_CHECK(loss_id >= 0 && loss_id < static_cast<int64_t>(st.scalers.size()),
+              "Amp::scale_loss: loss_id ", loss_id, " out of range; initialize made ",
+              st.scalers.size(), " loss scaler(s) (num_losses)");
+  const auto targets = st.targets_of(options);
+  // This scaler's scale must reflect every earlier iteration before it is used again.
+  st.resolve([&](const detail::PendingCheck& c) { return c.loss_id == loss_id; });
+  if (st.fast_path) {
+    return ScaledLoss(&st, loss.to(at::kFloat), loss_id, options);
+  }
+  for (size_t t : targets) st.prepare_backward(t, loss_id);
+  const double scale = st.scalers[static_cast<size_t>(loss_id)].loss_scale();
+  return ScaledLoss(&st, loss.to(at::kFloat) * scale, loss_id, options);
+}
+
+bool Amp::step() {
+  bool all = true;
+  std::vector<size_t> idx(state_->entries.size());
+  for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+  auto& st = *state_;
+  st.rethrow_deferred();
+  for (size_t i : idx) {
+    const auto& e = st.entries[i];
+    TORCH_CHECK(!e.scaled_pending, "Amp::step: optimizer ", i,
+                " still holds scaled gradients (the last scale_loss used delay_unscale=true); "
+                "end the accumulation with a scale_loss without delay_unscale before stepping");
+    TORCH_CHECK(e.backward_since_step, "Amp::step: no backward since the last step for optimizer ",
+                i, "; run amp.scale_loss(loss).backward() first");
+  }
+  st.resolve([&](const detail::PendingCheck&) { return true; });
+  for (size_t i : idx) {
+    auto& e = st.entries[i];
+    if (e.overflowed) {
+      st.clear_grads(e);
+      e.skipped += 1;
+      all = false;
+    } else {
+      e.optimizer->step();
+      st.copy_masters_to_model(e);
+    }
+    e.backward_since_step = false;
+    e.overflowed = false;
+  }
+  return all;
+}
+
+bool Amp::step(size_t index) {
+  auto& st = *state_;
+  st.rethrow_deferred();
+  TORCH_CHECK(index < st.entries.size(), "Amp::step: optimizer index ", index,
+              " out of range; initialize received ", st.entries.size(), " optimizer(s)");
+  auto& e = st.entries[index];
+  TORCH_CHECK(!e.scaled_pending, "Amp::step: optimizer ", index,
+              " still holds scaled gradients (the last scale_loss used delay_unscale=true); "
+              "end the accumulation with a scale_loss without delay_unscale before stepping");
+  TORCH_CHECK(e.backward_since_step, "Amp::step: no backward since the last step for optimizer ",
+              index, "; run amp.scale_loss(loss).backward() first");
+  st.resolve([&](const detail::PendingCheck& c) {
+    return std::find(c.targets.begin(), c.targets.end(), index) != c.targets.end();
+  });
+  bool stepped = true;
+  if (e.overflowed) {
+    st.clear_grads(e);
+    e.skipped += 1;
+    stepped = false;
+  } else {
+    e.optimizer->step();
+    st.copy_masters_to_model(e);
+  }
+  e.backward_since_step = false;
+  e.overflowed = false;
+  return stepped;
+}
+
+void Amp::zero_grad() {
+  auto& st = *state_;
+  st.rethrow_deferred();
+  for (auto& e : st.entries) st.clear_grads(e);
+  for (auto& m : st.models) {
+    for (auto& p : m->parameters()) p.mutable_grad() = at::Tensor();
+  }
+}
+
+double Amp::loss_scale(int64_t loss_id) { return loss_scaler(loss_id).loss_scale(); }
+
+const LossScaler& Amp::loss_scaler(int64_t loss_id) {
+  auto& st = *state_;
+  TORCH_CHECK(loss_id >= 0 && loss_id < static_cast<int64_t>(st.scalers.size()), "Amp: loss_id ",
+              loss_id, " out of range; initialize made ", st.scalers.size(), " loss scaler(s)");
+  st.resolve([&](const detail::PendingCheck& c) { return c.loss_id == loss_id; });
+  return st.scalers[static_cast<size_t>(loss_id)];
+}
+
+int64_t Amp::skipped_steps(size_t index) const {
+  TORCH_CHECK(index < state_->entries.size(), "Amp::skipped_steps: optimizer index ", index,
+              " out of range");
+  return state_->entries[index].skipped;
+}
+
+std::vector<at::Tensor> Amp::master_params(size_t index) const {
+  TORCH_CHECK(index < state_->entries.size(), "Amp::master_params: optimizer index ", index,
+              " out of range");
+  return apex::amp::master_params(*state_->entries[index].optimizer);
+}
+
+size_t Amp::num_optimizers() const { return state_->entries.size(); }
+
+torch::optim::Optimizer& Amp::optimizer(size_t index) {
+  TORCH_CHECK(index < state_->entries.size(), "Amp::optimizer: index ", index, " out of range");
+  return *state_->entries[index].optimizer;
+}
+
+StateDict Amp::state_dict() {
+  auto& st = *state_;
+  st.rethrow_deferred();
+  st.resolve([](const detail::PendingCheck&) { return true; });
+  StateDict d = make_state_dict();
+  d.insert("opt_level", to_string(st.props.opt_level));
+  for (size_t i = 0; i < st.scalers.size(); ++i) {
+    d.insert("loss_scaler" + std::to_string(i), st.scalers[i].state_dict());
+  }
+  c10::impl::GenericList masters(c10::ListType::ofTensors());
+  for (const auto& e : st.entries) {
+    c10::List<at::Tensor> list;
+    for (const auto& s : e.slots) {
+      if (s.copy) list.push_back(s.master.detach().to(c10::kCPU, /*non_blocking=*/false,
+                                                       /*copy=*/true));
+    }
+    masters.push_back(list);
+  }
+  d.insert("master_params", masters);
+  return d;
+}
+
+void Amp::load_state_dict(const StateDict& state) {
+  auto& st = *state_;
+  st.rethrow_deferred();
+  st.resolve([](const detail::PendingCheck&) { return true; });
+  // Validate everything into copies; commit only when all of it is good.
+  std::vector<LossScaler> scalers = st.scalers;
+  std::vector<bool> seen(scalers.size(), false);
+  std::vector<std::vector<at::Tensor>> masters;
+  bool have_masters = false;
+  for (const auto& entry : state) {
+    TORCH_CHECK(entry.key().isString(), "Amp::load_state_dict: keys must be strings");
+    const std::string key = entry.key().toStringRef();
+    const c10::IValue& v = entry.value();
+    if (key == "opt_level") {
+      TORCH_CHECK(v.isString() && v.toStringRef() == to_string(st.props.opt_level),
+                  "Amp::load_state_dict: the state was written at opt_level ",
+                  v.isString() ? v.toStringRef() : std::string("?"), ", this handle is ",
+                  to_string(st.props.opt_level));
+    } else if (key.rfind("loss_scaler", 0) == 0) {
+      const std::string num = key.substr(11);
+      size_t i = 0;
+      try {
+        i = std::stoul(num);
+      } catch (const std::exception&) {
+        TORCH_CHECK(false, "Amp::load_state_dict: unexpected key '", key, "'");
+      }
+      TORCH_CHECK(i < scalers.size(), "Amp::load_state_dict: '", key, "' but this handle has ",
+                  scalers.size(), " loss scaler(s) (num_losses)");
+      TORCH_CHECK(v.isGenericDict(), "Amp::load_state_dict: '", key, "' must be a dict");
+      StateDict sd = make_state_dict();
+      for (const auto& e : v.toGenericDict()) sd.insert(e.key().toStringRef(), e.value());
+      scalers[i].load_state_dict(sd);
+      seen[i] = true;
+    } else if (key == "master_params") {
+      TORCH_CHECK(v.isList(), "Amp::load_state_dict: 'master_params' must be a list");
+      const auto outer = v.toList();
+      TORCH_CHECK(outer.size() == st.entries.size(), "Amp::load_state_dict: 'master_params' has ",
+                  outer.size(), " optimizer list(s), this handle has ", st.entries.size());
+      for (size_t i = 0; i < outer.size(); ++i) {
+        const c10::IValue inner_v = outer.get(i);
+        TORCH_CHECK(inner_v.isList(),
+                    "Amp::load_state_dict: master_params[", i, "] must be a list of tensors");
+        std::vector<at::Tensor> inner;
+        for (const auto& t : inner_v.toListRef()) {
+          TORCH_CHECK(t.isTensor(), "Amp::load_state_dict: master_params[", i, "] holds a ",
+                      t.tagKind(), ", expected tensors");
+          inner.push_back(t.toTensor());
+        }
+        std::vector<const detail::Slot*> copies;
+        for (const auto& s : st.entries[i].slots) {
+          if (s.copy) copies.push_back(&s);
+        }
+        TORCH_CHECK(inner.size() == copies.size(), "Amp::load_state_dict: master_params[", i,
+                    "] has ", inner.size(), " tensors, optimizer ", i, " has ", copies.size(),
+                    " master weights");
+        for (size_t k = 0; k < inner.size(); ++k) {
+          TORCH_CHECK(inner[k].sizes() == copies[k]->master.sizes() &&
+                          inner[k].is_floating_point(),
+                      "Amp::load_state_dict: master_params[", i, "][", k, "] has shape ",
+                      inner[k].sizes(), " and dtype ", inner[k].scalar_type(),
+                      ", expected a floating tensor of shape ", copies[k]->master.sizes());
+        }
+        masters.push_back(std::move(inner));
+      }
+      have_masters = true;
+    } else {
+      TORCH_CHECK(false, "Amp::load_state_dict: unexpected key '", key, "'");
+    }
+  }
+  for (size_t i = 0; i < seen.size(); ++i) {
+    TORCH_CHECK(seen[i], "Amp::load_state_dict: missing 'loss_scaler", i, "'");
+  }
+  bool need_masters = false;
+  for (const auto& e : st.entries) {
+    for (const auto& s : e.slots) need_masters = need_masters || s.copy;
+  }
+  TORCH_CHECK(have_masters || !need_masters,
+              "Amp::load_state_dict: missing 'master_params' (this handle keeps fp32 master "
+              "weights; resuming without them would lose precision)");
+
+  st.scalers = std::move(scalers);
+  if (have_masters) {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < masters.size(); ++i) {
+      size_t k = 0;
+      for (auto& s : st.entries[i].slots) {
+        if (!s.copy) continue;
+        s.master.copy_(masters[i][k++]);
+      }
+      st.copy_masters_to_model(st.entries[i]);
+    }
+  }
+}
+
+void Amp::save(const std::string& path) {
+  apex::detail::write_file_atomic(path, apex::detail::pickle_save(state_dict()));
+}
+
+void Amp::load(const std::string& path) {
+  const c10::IValue v = apex::detail::pickle_load(apex::detail::read_file(path));
+  TORCH_CHECK(v.isGenericDict(), "Amp::load: '", path, "' does not hold an amp state dict");
+  StateDict d = make_state_dict();
+  for (const auto& e : v.toGenericDict()) {
+    TORCH_CHECK(e.key().isString(), "Amp::load: '", path, "' has a non-string key");
+    d.insert(e.key().toStringRef(), e.value());
+  }
+  load_state_dict(d);
+}
+
+Amp initialize(std::vector<std::shared_ptr<torch::nn::Module>> models,
+               std::vector<torch::optim::Optimizer*> optimizers, const Options& options) {
+  return Amp(std::move(models), std::move(optimizers), options);
+}
+
+}  // namespace apex::amp

@@ -1,0 +1,46 @@
+#pragma once
+
+#include <apex/amp/initialize.h>
+
+#include "../common/test_util.h"
+
+#include <vector>
+
+namespace apex::test {
+
+/// Batch `step` of a deterministic stream (same data for every run that asks for that step).
+inline Blobs blob_batch(int64_t step, int64_t batch = 64) {
+  return make_blobs(batch, 16, 4, 1000 + static_cast<uint64_t>(step));
+}
+
+inline std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(t.detach().clone());
+  return out;
+}
+
+inline bool all_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].scalar_type() != b[i].scalar_type() || !at::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+/// The Adam moments and step counters of `opt`, in parameter order.
+inline std::vector<at::Tensor> adam_state(torch::optim::Adam& opt) {
+  std::vector<at::Tensor> out;
+  for (auto& g : opt.param_groups()) {
+    for (auto& p : g.params()) {
+      auto it = opt.state().find(p.unsafeGetTensorImpl());
+      if (it == opt.state().end()) continue;
+      auto& s = static_cast<torch::optim::AdamParamState&>(*it->second);
+      out.push_back(s.exp_avg().clone());
+      out.push_back(s.exp_avg_sq().clone());
+      out.push_back(at::tensor({s.step()}));
+    }
+  }
+  return out;
+}
+
+}  // namespace apex::test

@@ -1,0 +1,330 @@
+#include "amp_test_util.h"
+
+#include <apex/amp/utils.h>
+
+#include <set>
+
+using apex::amp::Amp;
+using apex::amp::LossScale;
+using apex::amp::OptLevel;
+using apex::amp::Options;
+using apex::amp::ScaleLossOptions;
+using namespace apex::test;
+
+namespace {
+
+Options quiet(OptLevel level) { return Options(level).verbosity(0); }
+
+struct Outcome {
+  double first_loss = 0;
+  double last_loss = 0;
+  double accuracy = 0;
+  int64_t skipped = 0;
+};
+
+Outcome train_mlp(std::optional<Options> options, double eps = 1e-8, int steps = 150) {
+  torch::manual_seed(7);
+  Mlp model(16, 64, 4);
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(3e-3).eps(eps));
+  Outcome out;
+  std::optional<Amp> amp;
+  if (options) amp.emplace(apex::amp::initialize(model, opt, *options));
+  for (int s = 0; s < steps; ++s) {
+    auto b = blob_batch(s);
+    at::Tensor loss;
+    if (amp) {
+      amp->zero_grad();
+      loss = cross_entropy(amp->forward(model, b.x), b.y);
+      amp->scale_loss(loss).backward();
+      amp->step();
+    } else {
+      opt.zero_grad();
+      loss = cross_entropy(model->forward(b.x), b.y);
+      loss.backward();
+      opt.step();
+    }
+    if (s == 0) out.first_loss = loss.item<double>();
+    out.last_loss = loss.item<double>();
+  }
+  auto test = make_blobs(1000, 16, 4, 1000 + 100000);
+  torch::NoGradGuard ng;
+  out.accuracy = accuracy(amp ? amp->forward(model, test.x) : model->forward(test.x), test.y);
+  out.skipped = amp ? amp->skipped_steps() : 0;
+  return out;
+}
+
+Outcome train_cnn(const Options& options, int steps = 80) {
+  torch::manual_seed(11);
+  Cnn model(3);
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+  auto amp = apex::amp::initialize(model, opt, options);
+  Outcome out;
+  for (int s = 0; s < steps; ++s) {
+    auto b = make_images(32, 500 + s);
+    amp.zero_grad();
+    auto loss = cross_entropy(amp.forward(model, b.x), b.y);
+    amp.scale_loss(loss).backward();
+    amp.step();
+    if (s == 0) out.first_loss = loss.item<double>();
+    out.last_loss = loss.item<double>();
+  }
+  model->eval();
+  auto test = make_images(300, 99999);
+  torch::NoGradGuard ng;
+  out.accuracy = accuracy(amp.forward(model, test.x), test.y);
+  out.skipped = amp.skipped_steps();
+  return out;
+}
+
+}  // namespace
+
+TEST(AmpTraining, O0EqualsPlainFp32BitForBit) {
+  torch::manual_seed(3);
+  Mlp a(16, 32, 4);
+  torch::manual_seed(3);
+  Mlp b(16, 32, 4);
+  torch::optim::Adam oa(a->parameters(), torch::optim::AdamOptions(1e-2).weight_decay(1e-4));
+  torch::optim::Adam ob(b->parameters(), torch::optim::AdamOptions(1e-2).weight_decay(1e-4));
+  auto amp = apex::amp::initialize(b, ob, quiet(OptLevel::O0));
+  for (int s = 0; s < 25; ++s) {
+    auto batch = blob_batch(s);
+    oa.zero_grad();
+    cross_entropy(a->forward(batch.x), batch.y).backward();
+    oa.step();
+    amp.zero_grad();
+    amp.scale_loss(cross_entropy(amp.forward(b, batch.x), batch.y)).backward();
+    EXPECT_TRUE(amp.step());
+  }
+  EXPECT_TRUE(all_equal(a->parameters(), b->parameters()));
+  EXPECT_TRUE(all_equal(adam_state(oa), adam_state(ob)));
+}
+
+TEST(AmpTraining, MlpConvergesAtEveryLevelAndDtype) {
+  const auto base = train_mlp(std::nullopt);
+  ASSERT_LT(base.last_loss, 0.5 * base.first_loss);
+  ASSERT_GT(base.accuracy, 0.8);
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    for (auto level : {OptLevel::O0, OptLevel::O1, OptLevel::O2, OptLevel::O3}) {
+      // Pure fp16 (O3) keeps Adam's state in fp16, where eps=1e-8 rounds to 0 (the smallest fp16
+      // subnormal is 6e-8) and v underflows: that run needs an eps fp16 can hold.
+      const double eps = level == OptLevel::O3 && dtype == at::kHalf ? 1e-4 : 1e-8;
+      const auto r = train_mlp(quiet(level).half_dtype(dtype), eps);
+      SCOPED_TRACE(apex::amp::to_string(level) + " " + c10::toString(dtype));
+      // Band: held-out accuracy within 3 points of fp32, loss at least halved.
+      EXPECT_GT(r.accuracy, base.accuracy - 0.03);
+      EXPECT_LT(r.last_loss, 0.5 * r.first_loss);
+      EXPECT_LE(r.skipped, 5);
+    }
+  }
+}
+
+TEST(AmpTraining, CnnWithBatchNormConvergesAtEveryLevel) {
+  const auto base = train_cnn(quiet(OptLevel::O0));
+  ASSERT_GT(base.accuracy, 0.9);
+  for (auto level : {OptLevel::O1, OptLevel::O2, OptLevel::O3}) {
+    const auto r = train_cnn(quiet(level).half_dtype(at::kBFloat16));
+    SCOPED_TRACE(apex::amp::to_string(level));
+    EXPECT_GT(r.accuracy, base.accuracy - 0.05);
+    EXPECT_LT(r.last_loss, 0.5 * r.first_loss);
+  }
+  const auto fp16 = train_cnn(quiet(OptLevel::O2).half_dtype(at::kHalf));
+  EXPECT_GT(fp16.accuracy, base.accuracy - 0.05);
+}
+
+TEST(AmpTraining, O2Invariants) {
+  torch::manual_seed(5);
+  Cnn model(3);
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+  const auto before = snapshot(model->parameters());
+  auto amp = apex::amp::initialize(model, opt, quiet(OptLevel::O2));
+  for (const auto& np : model->named_parameters()) {
+    const bool bn = np.key().rfind("bn", 0) == 0;
+    EXPECT_EQ(np.value().scalar_type(), bn ? at::kFloat : at::kHalf) << np.key();
+  }
+  for (const auto& nb : model->named_buffers()) {
+    if (nb.value().is_floating_point()) {
+      EXPECT_EQ(nb.value().scalar_type(), at::kFloat) << nb.key();
+    }
+  }
+  const auto masters = amp.master_params();
+  const auto params = model->parameters();
+  ASSERT_EQ(masters.size(), params.size());
+  for (size_t i = 0; i < masters.size(); ++i) {
+    EXPECT_EQ(masters[i].scalar_type(), at::kFloat);
+    // Masters start as the exact fp32 values the model had.
+    EXPECT_TRUE(at::equal(masters[i], before[i]));
+    if (params[i].scalar_type() == at::kHalf) {
+      EXPECT_FALSE(masters[i].is_same(params[i]));
+    } else {
+      EXPECT_TRUE(masters[i].is_same(params[i]));  // fp32 BN parameters are their own masters
+    }
+  }
+  for (int s = 0; s < 3; ++s) {
+    auto b = make_images(16, s);
+    amp.zero_grad();
+    amp.scale_loss(cross_entropy(amp.forward(model, b.x), b.y)).backward();
+    // Gradients live on the masters, in fp32; the half model's gradients are released.
+    for (size_t i = 0; i < masters.size(); ++i) {
+      EXPECT_TRUE(masters[i].grad().defined());
+      EXPECT_EQ(masters[i].grad().scalar_type(), at::kFloat);
+      if (params[i].scalar_type() == at::kHalf) {
+        EXPECT_FALSE(params[i].grad().defined());
+      }
+    }
+    ASSERT_TRUE(amp.step());
+    for (size_t i = 0; i < masters.size(); ++i) {
+      EXPECT_TRUE(at::equal(params[i], masters[i].to(params[i].scalar_type())));
+    }
+  }
+  // forward casts inputs to half and outputs to fp32.
+  EXPECT_EQ(amp.forward(model, make_images(4, 1).x).scalar_type(), at::kFloat);
+}
+
+TEST(AmpTraining, OverflowInjectionSkipsExactlyThoseStepsAndChangesNothing) {
+  for (auto level : {OptLevel::O1, OptLevel::O2}) {
+    SCOPED_TRACE(apex::amp::to_string(level));
+    torch::manual_seed(9);
+    Mlp model(16, 32, 4);
+    torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+    auto amp = apex::amp::initialize(
+        model, opt, quiet(level).init_loss_scale(1024).growth_interval(3));
+    const std::set<int> inject = {1, 4, 5};
+    const std::vector<double> expected_scale = {1024, 512, 512, 512, 256,
+                                                128,  128, 128, 256, 256};
+    for (int s = 0; s < 10; ++s) {
+      auto b = blob_batch(s);
+      amp.zero_grad();
+      const auto params_before = snapshot(model->parameters());
+      const auto masters_before = snapshot(amp.master_params());
+      const auto state_before = adam_state(opt);
+      {
+        auto scaled = amp.scale_loss(cross_entropy(amp.forward(model, b.x), b.y));
+        scaled.backward();
+        if (inject.count(s)) {
+          // Set one gradient element of the last parameter to inf (as an fp16 overflow would).
+          auto& g = model->fc3->bias.mutable_grad();
+          g[g.numel() - 1] = std::numeric_limits<float>::infinity();
+        }
+      }
+      const bool stepped = amp.step();
+      EXPECT_EQ(stepped, inject.count(s) == 0) << "step " << s;
+      if (!stepped) {
+        EXPECT_TRUE(all_equal(snapshot(model->parameters()), params_before)) << "step " << s;
+        EXPECT_TRUE(all_equal(snapshot(amp.master_params()), masters_before)) << "step " << s;
+        EXPECT_TRUE(all_equal(adam_state(opt), state_before)) << "step " << s;
+      } else {
+        EXPECT_FALSE(all_equal(snapshot(model->parameters()), params_before)) << "step " << s;
+      }
+      EXPECT_EQ(amp.loss_scale(), expected_scale[s]) << "step " << s;
+    }
+    EXPECT_EQ(amp.skipped_steps(), 3);
+    // Adam's step counter counts only real steps.
+    auto st = adam_state(opt);
+    EXPECT_EQ(st[2].item<int64_t>(), 7);
+  }
+}
+
+TEST(AmpTraining, UnscaledGradientsEqualAutocastReference) {
+  // Scaling by a power of two is exact, so O1's unscaled gradients equal plain autocast ones.
+  for (bool accumulate_delayed : {false, true}) {
+    torch::manual_seed(2);
+    Mlp ref(16, 32, 4);
+    torch::manual_seed(2);
+    Mlp model(16, 32, 4);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    auto amp = apex::amp::initialize(model, opt, quiet(OptLevel::O1).half_dtype(at::kBFloat16)
+                                                     .loss_scale(LossScale::dynamic()));
+    auto b1 = blob_batch(1, 16);
+    auto b2 = blob_batch(2, 16);
+    {
+      apex::amp::AutocastGuard g(c10::kCPU, at::kBFloat16);
+      auto l1 = cross_entropy(ref->forward(b1.x).to(at::kFloat), b1.y);
+      auto l2 = cross_entropy(ref->forward(b2.x).to(at::kFloat), b2.y);
+      (l1).backward();
+      (l2).backward();
+    }
+    amp.scale_loss(cross_entropy(amp.forward(model, b1.x), b1.y), 0,
+                   ScaleLossOptions().delay_unscale(accumulate_delayed))
+        .backward();
+    if (accumulate_delayed) {
+      EXPECT_TRUE(apex::test::throws_with([&] { amp.step(); }, "still holds scaled gradients"));
+    }
+    amp.scale_loss(cross_entropy(amp.forward(model, b2.x), b2.y)).backward();
+    auto rp = ref->parameters();
+    auto mp = model->parameters();
+    for (size_t i = 0; i < rp.size(); ++i) {
+      EXPECT_TRUE(all_close(mp[i].grad(), rp[i].grad(), tolerance_for(at::kFloat)))
+          << "parameter " << i << " delayed " << accumulate_delayed;
+    }
+    EXPECT_TRUE(amp.step());
+  }
+}
+
+TEST(AmpTraining, SeveralModelsOptimizersAndLosses) {
+  torch::manual_seed(4);
+  Mlp a(16, 16, 4);
+  Mlp b(16, 16, 4);
+  torch::optim::Adam oa(a->parameters(), torch::optim::AdamOptions(1e-2));
+  torch::optim::Adam ob(b->parameters(), torch::optim::AdamOptions(1e-2));
+  auto amp = apex::amp::initialize({a.ptr(), b.ptr()}, {&oa, &ob},
+                                   quiet(OptLevel::O2).num_losses(2).init_loss_scale(256));
+  for (int s = 0; s < 4; ++s) {
+    auto batch = blob_batch(s);
+    amp.zero_grad();
+    amp.scale_loss(cross_entropy(amp.forward(a, batch.x), batch.y), 0,
+                   ScaleLossOptions().optimizers({0}))
+        .backward();
+    {
+      auto scaled = amp.scale_loss(cross_entropy(amp.forward(b, batch.x), batch.y), 1,
+                                   ScaleLossOptions().optimizers({1}));
+      scaled.backward();
+      if (s == 2) b->fc1->weight.mutable_grad()[0][0] = std::nanf("");
+    }
+    const auto a_before = snapshot(amp.master_params(0));
+    const auto b_before = snapshot(amp.master_params(1));
+    EXPECT_TRUE(amp.step(0));
+    EXPECT_EQ(amp.step(1), s != 2);
+    EXPECT_FALSE(all_equal(snapshot(amp.master_params(0)), a_before));
+    EXPECT_EQ(all_equal(snapshot(amp.master_params(1)), b_before), s == 2);
+  }
+  EXPECT_EQ(amp.loss_scale(0), 256);
+  EXPECT_EQ(amp.loss_scale(1), 128);
+  EXPECT_EQ(amp.skipped_steps(0), 0);
+  EXPECT_EQ(amp.skipped_steps(1), 1);
+}
+
+TEST(AmpTraining, ConvertNetworkKeepsAffineBatchNormFp32) {
+  Cnn model(3);
+  auto w = model->conv1->weight;
+  apex::amp::convert_network(*model, at::kBFloat16);
+  EXPECT_TRUE(w.is_same(model->conv1->weight));  // identity kept
+  EXPECT_EQ(model->conv1->weight.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(model->fc->bias.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(model->bn1->weight.scalar_type(), at::kFloat);
+  EXPECT_EQ(model->bn1->running_mean.scalar_type(), at::kFloat);
+  EXPECT_EQ(model->bn1->num_batches_tracked.scalar_type(), at::kLong);
+  auto bn = torch::nn::BatchNorm1d(torch::nn::BatchNormOptions(4).affine(false));
+  apex::amp::convert_network(*bn, at::kHalf);
+  EXPECT_EQ(bn->running_mean.scalar_type(), at::kHalf);
+}
+
+TEST(AmpTraining, DisabledHandleIsPlainTraining) {
+  torch::manual_seed(3);
+  Mlp a(16, 8, 4);
+  torch::manual_seed(3);
+  Mlp b(16, 8, 4);
+  torch::optim::SGD oa(a->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD ob(b->parameters(), torch::optim::SGDOptions(0.1));
+  auto amp = apex::amp::initialize(b, ob, quiet(OptLevel::O2).enabled(false));
+  EXPECT_EQ(b->fc1->weight.scalar_type(), at::kFloat);
+  for (int s = 0; s < 3; ++s) {
+    auto batch = blob_batch(s);
+    oa.zero_grad();
+    cross_entropy(a->forward(batch.x), batch.y).backward();
+    oa.step();
+    amp.zero_grad();
+    amp.scale_loss(cross_entropy(amp.forward(b, batch.x), batch.y)).backward();
+    amp.step();
+  }
+  EXPECT_TRUE(all_equal(a->parameters(), b->parameters()));
+}
