@@ -396,8 +396,8 @@ Amp::Amp(std::vector<std::shared_ptr<torch::nn::Module>> models,
         s.model = param;
         if (p.master_weights && param.is_floating_point() && param.scalar_type() != at::kFloat) {
           auto saved = fp32_values.find(param.unsafeGetTensorImpl());
-          at::Tensor master = saved != fp32_values.end() ? saved->second
-                                                         : param.detach().to(at::kFloat).clone();
+          at::Tensor master =
+              saved != fp32_values.end() ? saved->second : param.detach().to(at::kFloat).clone();
           master.set_requires_grad(true);
           // The optimizer's state (if it stepped before) follows its parameter to the master.
           auto& state = opt->state();
@@ -455,9 +455,8 @@ ScaledLoss Amp::scale_loss(const at::Tensor& loss, int64_t loss_id,
   auto& st = *state_;
   st.rethrow_deferred();
   TORCH_CHECK(loss.defined(), "Amp::scale_loss: loss is an undefined tensor");
-  TORCH_CHECK(loss.numel() == 1,
-              "Amp::scale_loss: loss must be a scalar (one element), got shape ", loss.sizes(),
-              "; reduce it first (e.g. mean())");
+  TORCH_CHECK(loss.numel() == 1, "Amp::scale_loss: loss must be a scalar (one element), got shape ",
+              loss.sizes(), "; reduce it first (e.g. mean())");
   TORCH_CHECK(loss.is_floating_point(), "Amp::scale_loss: loss must be floating point, got ",
               loss.scalar_type());
   TORCH_CHECK(loss_id >= 0 && loss_id < static_cast<int64_t>(st.scalers.size()),
@@ -584,8 +583,9 @@ StateDict Amp::state_dict() {
   for (const auto& e : st.entries) {
     c10::List<at::Tensor> list;
     for (const auto& s : e.slots) {
-      if (s.copy) list.push_back(s.master.detach().to(c10::kCPU, /*non_blocking=*/false,
-                                                       /*copy=*/true));
+      if (s.copy)
+        list.push_back(s.master.detach().to(c10::kCPU, /*non_blocking=*/false,
+                                            /*copy=*/true));
     }
     masters.push_back(list);
   }
@@ -633,8 +633,8 @@ void Amp::load_state_dict(const StateDict& state) {
                   outer.size(), " optimizer list(s), this handle has ", st.entries.size());
       for (size_t i = 0; i < outer.size(); ++i) {
         const c10::IValue inner_v = outer.get(i);
-        TORCH_CHECK(inner_v.isList(),
-                    "Amp::load_state_dict: master_params[", i, "] must be a list of tensors");
+        TORCH_CHECK(inner_v.isList(), "Amp::load_state_dict: master_params[", i,
+                    "] must be a list of tensors");
         std::vector<at::Tensor> inner;
         for (const auto& t : inner_v.toListRef()) {
           TORCH_CHECK(t.isTensor(), "Amp::load_state_dict: master_params[", i, "] holds a ",
@@ -649,8 +649,7 @@ void Amp::load_state_dict(const StateDict& state) {
                     "] has ", inner.size(), " tensors, optimizer ", i, " has ", copies.size(),
                     " master weights");
         for (size_t k = 0; k < inner.size(); ++k) {
-          TORCH_CHECK(inner[k].sizes() == copies[k]->master.sizes() &&
-                          inner[k].is_floating_point(),
+          TORCH_CHECK(inner[k].sizes() == copies[k]->master.sizes() && inner[k].is_floating_point(),
                       "Amp::load_state_dict: master_params[", i, "][", k, "] has shape ",
                       inner[k].sizes(), " and dtype ", inner[k].scalar_type(),
                       ", expected a floating tensor of shape ", copies[k]->master.sizes());

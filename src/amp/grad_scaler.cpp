@@ -168,11 +168,10 @@ void GradScaler::update(std::optional<double> new_scale) {
 void GradScaler::update(const at::Tensor& new_scale) {
   if (!enabled_) return;
   check_scale_initialized("update");
-  TORCH_CHECK(new_scale.numel() == 1 && new_scale.device().type() == device_ &&
-                  !new_scale.requires_grad(),
-              "GradScaler::update: new_scale should be a float or a one-element tensor on ",
-              device_, " with requires_grad=false; got shape ", new_scale.sizes(), " on ",
-              new_scale.device());
+  TORCH_CHECK(
+      new_scale.numel() == 1 && new_scale.device().type() == device_ && !new_scale.requires_grad(),
+      "GradScaler::update: new_scale should be a float or a one-element tensor on ", device_,
+      " with requires_grad=false; got shape ", new_scale.sizes(), " on ", new_scale.device());
   scale_.copy_(new_scale.reshape({}));
   per_optimizer_.clear();
 }

@@ -11,8 +11,7 @@
 namespace apex::amp {
 namespace {
 
-int64_t int_entry(const StateDict& state, const std::string& key,
-                  int64_t fallback) {
+int64_t int_entry(const StateDict& state, const std::string& key, int64_t fallback) {
   if (!state.contains(key)) return fallback;
   const auto& v = state.at(key);
   TORCH_CHECK(v.isInt(), "LossScaler::load_state_dict: '", key, "' must be an int, got ",
@@ -36,10 +35,10 @@ LossScaler::LossScaler(LossScalerOptions options) : options_(std::move(options))
   TORCH_CHECK(std::isfinite(o.max_scale()) && o.max_scale() > 0,
               "LossScaler: max_scale must be finite and > 0, got ", o.max_scale());
   if (o.min_scale()) {
-    TORCH_CHECK(std::isfinite(*o.min_scale()) && *o.min_scale() > 0 &&
-                    *o.min_scale() <= o.max_scale(),
-                "LossScaler: min_scale must be in (0, max_scale=", o.max_scale(), "], got ",
-                *o.min_scale());
+    TORCH_CHECK(
+        std::isfinite(*o.min_scale()) && *o.min_scale() > 0 && *o.min_scale() <= o.max_scale(),
+        "LossScaler: min_scale must be in (0, max_scale=", o.max_scale(), "], got ",
+        *o.min_scale());
   }
   // apex starts a dynamic scaler at min(max_loss_scale, init); a static scale is taken as given.
   scale_ = o.dynamic() ? std::min(o.max_scale(), o.init_scale()) : o.init_scale();

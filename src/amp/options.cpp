@@ -62,23 +62,15 @@ Properties Properties::resolve(const Options& o) {
   const std::string name = to_string(level);
   TORCH_CHECK(o.half_dtype() == c10::kHalf || o.half_dtype() == c10::kBFloat16,
               "amp Options: half_dtype must be Half or BFloat16, got ", o.half_dtype());
-  TORCH_CHECK(o.cast_model_outputs() == c10::kFloat || o.cast_model_outputs() == c10::kHalf ||
-                  o.cast_model_outputs() == c10::kBFloat16 ||
-                  o.cast_model_outputs() == c10::kDouble,
-              "amp Options: cast_model_outputs must be a floating dtype, got ",
-              o.cast_model_outputs());
+  TORCH_CHECK(
+      o.cast_model_outputs() == c10::kFloat || o.cast_model_outputs() == c10::kHalf ||
+          o.cast_model_outputs() == c10::kBFloat16 || o.cast_model_outputs() == c10::kDouble,
+      "amp Options: cast_model_outputs must be a floating dtype, got ", o.cast_model_outputs());
   TORCH_CHECK(o.num_losses() >= 1, "amp Options: num_losses must be >= 1, got ", o.num_losses());
   TORCH_CHECK(o.verbosity() >= 0, "amp Options: verbosity must be >= 0, got ", o.verbosity());
 
-  Properties p{level,
-               o.enabled(),
-               o.half_dtype(),
-               std::nullopt,
-               false,
-               false,
-               false,
-               LossScale(1.0),
-               o.cast_model_outputs()};
+  Properties p{level, o.enabled(), o.half_dtype(), std::nullopt,          false,
+               false, false,       LossScale(1.0), o.cast_model_outputs()};
   // apex's opt-level table; bf16 needs no dynamic scaling (fp32's exponent range).
   const LossScale default_dynamic =
       o.half_dtype() == c10::kBFloat16 ? LossScale(1.0) : LossScale::dynamic();
@@ -104,8 +96,8 @@ Properties Properties::resolve(const Options& o) {
   // Overrides, checked as apex's Properties.__setattr__ did.
   if (o.cast_model_type()) {
     const auto t = *o.cast_model_type();
-    TORCH_CHECK(is_float_type(t), "amp Options: cast_model_type must be Float, Half or BFloat16, got ",
-                t);
+    TORCH_CHECK(is_float_type(t),
+                "amp Options: cast_model_type must be Float, Half or BFloat16, got ", t);
     TORCH_CHECK(level != OptLevel::O1 || t == c10::kFloat,
                 "amp Options: O1 inserts casts around operations rather than casting the model, so "
                 "the weights stay fp32; cast_model_type must be unset or Float under O1, got ",

@@ -90,8 +90,8 @@ std::vector<char> pickle_save(const c10::IValue& value) {
     out.insert(out.end(), bytes, bytes + n);
     return n;
   });
-  torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(),
-                                     pickler.tensorData(), writer);
+  torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(),
+                                     writer);
   writer.writeEndOfFile();
   return out;
 }

@@ -4,8 +4,8 @@
 
 #include <filesystem>
 
-using apex::amp::OptLevel;
 using apex::amp::Options;
+using apex::amp::OptLevel;
 using namespace apex::test;
 
 namespace {
@@ -67,7 +67,8 @@ TEST(AmpCheckpoint, ResumeIsBitIdenticalAtEveryLevel) {
     torch::save(*first.opt, (dir / "opt.pt").string());
     first.amp->save((dir / "amp.pt").string());
 
-    TrainRun resumed(options, 99);  // different initial weights: everything must come from the files
+    TrainRun resumed(options,
+                     99);  // different initial weights: everything must come from the files
     torch::load(resumed.model, (dir / "model.pt").string());
     torch::load(*resumed.opt, (dir / "opt.pt").string());
     resumed.amp->load((dir / "amp.pt").string());

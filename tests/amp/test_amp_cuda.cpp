@@ -3,14 +3,15 @@
 
 #include <apex/amp/grad_scaler.h>
 
-using apex::amp::OptLevel;
 using apex::amp::Options;
+using apex::amp::OptLevel;
 using namespace apex::test;
 
 namespace {
-#define REQUIRE_CUDA()                                                              \
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible; this " \
-                                                    "test runs on a GPU machine"
+#define REQUIRE_CUDA()                            \
+  if (!torch::cuda::is_available())               \
+  GTEST_SKIP() << "no CUDA device visible; this " \
+                  "test runs on a GPU machine"
 }  // namespace
 
 TEST(AmpCuda, AutocastFp16OnCuda) {

@@ -1,7 +1,7 @@
 #include "amp_test_util.h"
 
-using apex::amp::OptLevel;
 using apex::amp::Options;
+using apex::amp::OptLevel;
 using apex::amp::ScaleLossOptions;
 using namespace apex::test;
 
@@ -59,7 +59,8 @@ TEST(AmpMisuse, StepWithoutBackward) {
     Mlp m(4, 4, 2);
     torch::optim::SGD o(m->parameters(), torch::optim::SGDOptions(0.1));
     auto amp = apex::amp::initialize(m, o, quiet(level));
-    EXPECT_TRUE(throws_with([&] { amp.step(); }, "no backward since the last step for optimizer 0"));
+    EXPECT_TRUE(
+        throws_with([&] { amp.step(); }, "no backward since the last step for optimizer 0"));
     amp.scale_loss(amp.forward(m, torch::randn({3, 4})).sum()).backward();
     amp.step();  // may skip (fp16 overflow at the initial scale): either way a step happened
     EXPECT_TRUE(throws_with([&] { amp.step(0); }, "no backward since the last step"));
@@ -72,7 +73,8 @@ TEST(AmpMisuse, BackwardTwiceInOneScope) {
   auto amp = apex::amp::initialize(model, opt, quiet(OptLevel::O2));
   auto scaled = amp.scale_loss(amp.forward(model, torch::randn({3, 4})).sum());
   scaled.backward(/*retain_graph=*/true);
-  EXPECT_TRUE(throws_with([&] { scaled.backward(); }, "backward was already called in this scale_loss scope"));
+  EXPECT_TRUE(throws_with([&] { scaled.backward(); },
+                          "backward was already called in this scale_loss scope"));
 }
 
 TEST(AmpMisuse, ErrorAtScopeExitIsRaisedByTheNextCall) {
@@ -92,8 +94,11 @@ TEST(AmpMisuse, DelayedScopesMustShareTheLossId) {
   amp.scale_loss(amp.forward(model, torch::randn({3, 4})).sum(), 0,
                  ScaleLossOptions().delay_unscale(true))
       .backward();
-  EXPECT_TRUE(throws_with([&] { amp.scale_loss(amp.forward(model, torch::randn({3, 4})).sum(), 1); },
-                          "holds gradients still scaled by loss scaler 0 (delay_unscale=true)"));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        amp.scale_loss(amp.forward(model, torch::randn({3, 4})).sum(), 1);
+      },
+      "holds gradients still scaled by loss scaler 0 (delay_unscale=true)"));
 }
 
 TEST(AmpMisuse, LoadRejectsBadStateAndChangesNothing) {

@@ -6,8 +6,8 @@
 
 using apex::amp::Amp;
 using apex::amp::LossScale;
-using apex::amp::OptLevel;
 using apex::amp::Options;
+using apex::amp::OptLevel;
 using apex::amp::ScaleLossOptions;
 using namespace apex::test;
 
@@ -186,11 +186,10 @@ TEST(AmpTraining, OverflowInjectionSkipsExactlyThoseStepsAndChangesNothing) {
     torch::manual_seed(9);
     Mlp model(16, 32, 4);
     torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
-    auto amp = apex::amp::initialize(
-        model, opt, quiet(level).init_loss_scale(1024).growth_interval(3));
+    auto amp =
+        apex::amp::initialize(model, opt, quiet(level).init_loss_scale(1024).growth_interval(3));
     const std::set<int> inject = {1, 4, 5};
-    const std::vector<double> expected_scale = {1024, 512, 512, 512, 256,
-                                                128,  128, 128, 256, 256};
+    const std::vector<double> expected_scale = {1024, 512, 512, 512, 256, 128, 128, 128, 256, 256};
     for (int s = 0; s < 10; ++s) {
       auto b = blob_batch(s);
       amp.zero_grad();
@@ -232,8 +231,8 @@ TEST(AmpTraining, UnscaledGradientsEqualAutocastReference) {
     torch::manual_seed(2);
     Mlp model(16, 32, 4);
     torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
-    auto amp = apex::amp::initialize(model, opt, quiet(OptLevel::O1).half_dtype(at::kBFloat16)
-                                                     .loss_scale(LossScale::dynamic()));
+    auto amp = apex::amp::initialize(
+        model, opt, quiet(OptLevel::O1).half_dtype(at::kBFloat16).loss_scale(LossScale::dynamic()));
     auto b1 = blob_batch(1, 16);
     auto b2 = blob_batch(2, 16);
     {

@@ -117,7 +117,8 @@ TEST(GradScaler, MisuseErrors) {
     GradScaler s(cpu());
     Problem p;
     s.scale(p.loss());  // no backward: nothing to check
-    EXPECT_TRUE(throws_with([&] { s.step(p.opt); }, "no inf checks were recorded for this optimizer"));
+    EXPECT_TRUE(
+        throws_with([&] { s.step(p.opt); }, "no inf checks were recorded for this optimizer"));
   }
   EXPECT_TRUE(throws_with([] { GradScaler(cpu().growth_factor(0.9)); },
                           "the growth factor must be > 1.0, got 0.9"));
@@ -132,8 +133,11 @@ TEST(GradScaler, UpdateWithExplicitScale) {
   EXPECT_EQ(s.get_scale(), 4.0);
   s.update(at::tensor({2.0f}));
   EXPECT_EQ(s.get_scale(), 2.0);
-  EXPECT_TRUE(throws_with([&] { s.update(at::tensor({1.0f, 2.0f})); },
-                          "new_scale should be a float or a one-element tensor"));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        s.update(at::tensor({1.0f, 2.0f}));
+      },
+      "new_scale should be a float or a one-element tensor"));
   EXPECT_TRUE(throws_with([&] { s.update(-1.0); }, "new_scale must be finite and > 0, got -1"));
 }
 

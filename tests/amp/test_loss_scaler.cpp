@@ -90,9 +90,9 @@ TEST(LossScaler, HysteresisHandDerived) {
 }
 
 TEST(LossScaler, GridAgainstReference) {
-  const std::vector<bool> pattern = {false, false, true,  false, false, false, true, true,
+  const std::vector<bool> pattern = {false, false, true,  false, false, false, true,  true,
                                      false, false, false, false, false, true,  false, false,
-                                     false, false, false, false, true,  true,  true, false};
+                                     false, false, false, false, true,  true,  true,  false};
   for (double init : {1.0, 1024.0, 65536.0}) {
     for (double growth : {2.0, 4.0}) {
       for (double backoff : {0.5, 0.25}) {

@@ -3,8 +3,8 @@
 #include "../common/test_util.h"
 
 using apex::amp::LossScale;
-using apex::amp::OptLevel;
 using apex::amp::Options;
+using apex::amp::OptLevel;
 using apex::amp::Properties;
 using apex::test::throws_with;
 
@@ -73,9 +73,9 @@ TEST(Options, InvalidOverridesAreErrors) {
                   "patch_torch_functions=true (autocast) is only valid with O1, got opt_level O2"));
   EXPECT_TRUE(throws_with([] { Properties::resolve(Options().half_dtype(at::kFloat)); },
                           "half_dtype must be Half or BFloat16, got Float"));
-  EXPECT_TRUE(throws_with(
-      [] { Properties::resolve(Options(OptLevel::O2).cast_model_type(at::kInt)); },
-      "cast_model_type must be Float, Half or BFloat16, got Int"));
+  EXPECT_TRUE(
+      throws_with([] { Properties::resolve(Options(OptLevel::O2).cast_model_type(at::kInt)); },
+                  "cast_model_type must be Float, Half or BFloat16, got Int"));
   EXPECT_TRUE(throws_with([] { Properties::resolve(Options().num_losses(0)); },
                           "num_losses must be >= 1, got 0"));
   EXPECT_TRUE(throws_with([] { Properties::resolve(Options().min_loss_scale(-1.0)); },

@@ -3,8 +3,8 @@
 // Shared test helpers: the tolerance table of shared/DESIGN.md, small models and learnable data.
 
 #include <gtest/gtest.h>
-#include <torch/nn.h>
 #include <torch/cuda.h>
+#include <torch/nn.h>
 #include <torch/optim.h>
 
 #include <cmath>
@@ -33,7 +33,8 @@ inline Tolerance tolerance_for(c10::ScalarType t) {
 inline ::testing::AssertionResult all_close(const at::Tensor& actual, const at::Tensor& expected,
                                             Tolerance tol) {
   if (actual.sizes() != expected.sizes()) {
-    return ::testing::AssertionFailure() << "shape " << actual.sizes() << " vs " << expected.sizes();
+    return ::testing::AssertionFailure()
+           << "shape " << actual.sizes() << " vs " << expected.sizes();
   }
   auto a = actual.detach().to(at::kDouble).cpu();
   auto e = expected.detach().to(at::kDouble).cpu();
@@ -59,8 +60,8 @@ template <typename Fn>
   } catch (const c10::Error& e) {
     const std::string msg = e.what_without_backtrace();
     if (msg.find(fragment) != std::string::npos) return ::testing::AssertionSuccess();
-    return ::testing::AssertionFailure() << "message \"" << msg << "\" lacks \"" << fragment
-                                         << "\"";
+    return ::testing::AssertionFailure()
+           << "message \"" << msg << "\" lacks \"" << fragment << "\"";
   }
   return ::testing::AssertionFailure() << "no exception; expected one with \"" << fragment << "\"";
 }
@@ -81,9 +82,11 @@ TORCH_MODULE(Mlp);
 /// A small CNN with BatchNorm (so keep_batchnorm_fp32 matters).
 struct CnnImpl : torch::nn::Module {
   explicit CnnImpl(int64_t classes)
-      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 8, 3).padding(1)))),
+      : conv1(register_module("conv1",
+                              torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 8, 3).padding(1)))),
         bn1(register_module("bn1", torch::nn::BatchNorm2d(8))),
-        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 16, 3).padding(1)))),
+        conv2(register_module("conv2",
+                              torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 16, 3).padding(1)))),
         bn2(register_module("bn2", torch::nn::BatchNorm2d(16))),
         fc(register_module("fc", torch::nn::Linear(16, classes))) {}
   at::Tensor forward(const at::Tensor& x) {

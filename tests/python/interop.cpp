@@ -41,12 +41,12 @@ int gradscaler_read(const std::string& in) {
   apex::amp::GradScaler scaler(apex::amp::GradScalerOptions().device(c10::kCPU));
   scaler.load(in);
   const auto d = scaler.state_dict();
-  std::printf("scale %.17g growth_factor %.17g backoff_factor %.17g growth_interval %lld "
-              "growth_tracker %lld\n",
-              d.at("scale").toDouble(), d.at("growth_factor").toDouble(),
-              d.at("backoff_factor").toDouble(),
-              static_cast<long long>(d.at("growth_interval").toInt()),
-              static_cast<long long>(d.at("_growth_tracker").toInt()));
+  std::printf(
+      "scale %.17g growth_factor %.17g backoff_factor %.17g growth_interval %lld "
+      "growth_tracker %lld\n",
+      d.at("scale").toDouble(), d.at("growth_factor").toDouble(), d.at("backoff_factor").toDouble(),
+      static_cast<long long>(d.at("growth_interval").toInt()),
+      static_cast<long long>(d.at("_growth_tracker").toInt()));
   return 0;
 }
 
@@ -77,7 +77,8 @@ int main(int argc, char** argv) {
     if (mode == "gradscaler-run" && argc == 3) return gradscaler_run(argv[2]);
     if (mode == "gradscaler-read" && argc == 3) return gradscaler_read(argv[2]);
     if (mode == "amp-write" && argc == 4) return amp_write(argv[2], argv[3]);
-    std::cerr << "usage: apex_interop gradscaler-run OUT | gradscaler-read IN | amp-write AMP PARAMS\n";
+    std::cerr
+        << "usage: apex_interop gradscaler-run OUT | gradscaler-read IN | amp-write AMP PARAMS\n";
     return 2;
   } catch (const std::exception& e) {
     std::cerr << "apex_interop: " << e.what() << "\n";

@@ -1,8 +1,8 @@
 #pragma once
 
-#include <apex/state_dict.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <apex/state_dict.h>
 #include <c10/core/Device.h>
 #include <torch/arg.h>
 

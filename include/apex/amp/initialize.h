@@ -5,9 +5,9 @@
 #include <apex/amp/options.h>
 #include <apex/amp/scale_loss.h>
 
-#include <apex/state_dict.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <apex/state_dict.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstddef>

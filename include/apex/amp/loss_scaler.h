@@ -1,8 +1,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <apex/state_dict.h>
 #include <ATen/core/ivalue.h>
+#include <apex/state_dict.h>
 #include <torch/arg.h>
 
 #include <cstdint>

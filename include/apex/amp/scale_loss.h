@@ -50,8 +50,7 @@ class ScaledLoss {
 
  private:
   friend class Amp;
-  ScaledLoss(detail::AmpState* state, at::Tensor scaled, int64_t loss_id,
-             ScaleLossOptions options);
+  ScaledLoss(detail::AmpState* state, at::Tensor scaled, int64_t loss_id, ScaleLossOptions options);
 
   detail::AmpState* state_;
   at::Tensor scaled_;
