@@ -67,6 +67,7 @@ struct AmpState {
   void abandon(const std::vector<size_t>& targets);
   void clear_grads(OptimizerEntry& e);
   void copy_masters_to_model(OptimizerEntry& e);
+  bool step(const std::vector<size_t>& indices);
 };
 
 namespace {
@@ -252,6 +253,38 @@ void AmpState::copy_masters_to_model(OptimizerEntry& e) {
   if (dst.empty()) return;
   at::NoGradGuard no_grad;
   at::_foreach_copy_(dst, src);
+}
+
+bool AmpState::step(const std::vector<size_t>& indices) {
+  rethrow_deferred();
+  for (size_t i : indices) {
+    const auto& e = entries[i];
+    TORCH_CHECK(!e.scaled_pending, "Amp::step: optimizer ", i,
+                " still holds scaled gradients (the last scale_loss used delay_unscale=true); "
+                "end the accumulation with a scale_loss without delay_unscale before stepping");
+    TORCH_CHECK(e.backward_since_step, "Amp::step: no backward since the last step for optimizer ",
+                i, "; run amp.scale_loss(loss).backward() first");
+  }
+  resolve([&](const PendingCheck& c) {
+    return std::any_of(c.targets.begin(), c.targets.end(), [&](size_t t) {
+      return std::find(indices.begin(), indices.end(), t) != indices.end();
+    });
+  });
+  bool all_stepped = true;
+  for (size_t i : indices) {
+    auto& e = entries[i];
+    if (e.overflowed) {
+      clear_grads(e);
+      e.skipped += 1;
+      all_stepped = false;
+    } else {
+      e.optimizer->step();
+      copy_masters_to_model(e);
+    }
+    e.backward_since_step = false;
+    e.overflowed = false;
+  }
+  return all_stepped;
 }
 
 }  // namespace detail
@@ -474,62 +507,15 @@ ScaledLoss Amp::scale_loss(const at::Tensor& loss, int64_t loss_id,
 }
 
 bool Amp::step() {
-  bool all = true;
-  std::vector<size_t> idx(state_->entries.size());
-  for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
-  auto& st = *state_;
-  st.rethrow_deferred();
-  for (size_t i : idx) {
-    const auto& e = st.entries[i];
-    TORCH_CHECK(!e.scaled_pending, "Amp::step: optimizer ", i,
-                " still holds scaled gradients (the last scale_loss used delay_unscale=true); "
-                "end the accumulation with a scale_loss without delay_unscale before stepping");
-    TORCH_CHECK(e.backward_since_step, "Amp::step: no backward since the last step for optimizer ",
-                i, "; run amp.scale_loss(loss).backward() first");
-  }
-  st.resolve([&](const detail::PendingCheck&) { return true; });
-  for (size_t i : idx) {
-    auto& e = st.entries[i];
-    if (e.overflowed) {
-      st.clear_grads(e);
-      e.skipped += 1;
-      all = false;
-    } else {
-      e.optimizer->step();
-      st.copy_masters_to_model(e);
-    }
-    e.backward_since_step = false;
-    e.overflowed = false;
-  }
-  return all;
+  std::vector<size_t> all(state_->entries.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  return state_->step(all);
 }
 
 bool Amp::step(size_t index) {
-  auto& st = *state_;
-  st.rethrow_deferred();
-  TORCH_CHECK(index < st.entries.size(), "Amp::step: optimizer index ", index,
-              " out of range; initialize received ", st.entries.size(), " optimizer(s)");
-  auto& e = st.entries[index];
-  TORCH_CHECK(!e.scaled_pending, "Amp::step: optimizer ", index,
-              " still holds scaled gradients (the last scale_loss used delay_unscale=true); "
-              "end the accumulation with a scale_loss without delay_unscale before stepping");
-  TORCH_CHECK(e.backward_since_step, "Amp::step: no backward since the last step for optimizer ",
-              index, "; run amp.scale_loss(loss).backward() first");
-  st.resolve([&](const detail::PendingCheck& c) {
-    return std::find(c.targets.begin(), c.targets.end(), index) != c.targets.end();
-  });
-  bool stepped = true;
-  if (e.overflowed) {
-    st.clear_grads(e);
-    e.skipped += 1;
-    stepped = false;
-  } else {
-    e.optimizer->step();
-    st.copy_masters_to_model(e);
-  }
-  e.backward_since_step = false;
-  e.overflowed = false;
-  return stepped;
+  TORCH_CHECK(index < state_->entries.size(), "Amp::step: optimizer index ", index,
+              " out of range; initialize received ", state_->entries.size(), " optimizer(s)");
+  return state_->step({index});
 }
 
 void Amp::zero_grad() {

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One prepared GPU check: build against the machine's own torch (CUDA build), run the cuda-labelled
+# tests (and, once they exist, the GPU benchmarks), print a short table. Writes logs to $OUT if set.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/apex-gpu}
+mkdir -p "$OUT"
+PY=${APEX_GPU_PYTHON:-python3}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+start=$(date +%s)
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DAPEX_PYTHON_EXECUTABLE="$(command -v "$PY")" \
+  -DAPEX_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DAPEX_BUILD_EXAMPLES=OFF >"$OUT/configure.log" 2>&1 ||
+  { tail -30 "$OUT/configure.log"; exit 1; }
+cmake --build build-gpu -j16 >"$OUT/build.log" 2>&1 || { grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
+echo "build: $(($(date +%s) - start)) s"
+(cd build-gpu && ctest -L cuda --output-on-failure --timeout 300) 2>&1 | tee "$OUT/ctest-cuda.log" | tail -25
+(cd build-gpu && ctest -L unit -j8 --timeout 300) 2>&1 | tail -3
+echo; echo "== cuda tests =="
+grep -E "Test +#" "$OUT/ctest-cuda.log" | sed -E 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: //; s/ \.+ */  /'
