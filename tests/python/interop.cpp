@@ -3,10 +3,20 @@
 //   apex_interop gradscaler-run OUT.pt      run the fixed GradScaler script, save the scaler state
 //   apex_interop gradscaler-read IN.pt      load a Python-written scaler state, print it
 //   apex_interop amp-write OUT_AMP.pt OUT_PARAMS.pt   O2 bf16, 3 steps; amp state + model params
+//   apex_interop amp-train DIR FROM TO OUT.pt [save|resume]
+//       O2 fp16 MLP with BatchNorm, steps [FROM, TO) (overflow injected at step 2); `resume` loads
+//       model/optimizer/amp from DIR first, `save` writes them there after; OUT.pt gets every
+//       parameter, buffer and master plus the loss scale, for a bit-exact comparison in Python.
 #include <apex/apex.h>
 
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
+#include <torch/serialize.h>
 
 #include <cstdio>
 #include <iostream>
@@ -69,6 +79,54 @@ int amp_write(const std::string& amp_out, const std::string& params_out) {
   return 0;
 }
 
+int amp_train(const std::string& dir, int from, int to, const std::string& out,
+              const std::string& mode) {
+  torch::manual_seed(mode == "resume" ? 123 : 0);  // a resumed run must not depend on its init
+  torch::nn::Sequential model(torch::nn::Linear(8, 32), torch::nn::BatchNorm1d(32),
+                              torch::nn::ReLU(), torch::nn::Linear(32, 3));
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+  auto amp = apex::amp::initialize(model, opt,
+                                   apex::amp::Options(apex::amp::OptLevel::O2)
+                                       .growth_interval(3)
+                                       .init_loss_scale(4096)
+                                       .verbosity(0));
+  if (mode == "resume") {
+    torch::load(model, dir + "/model.pt");
+    torch::load(opt, dir + "/optim.pt");
+    amp.load(dir + "/amp.pt");
+  }
+  for (int step = from; step < to; ++step) {
+    auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(step) + 7);
+    const auto x = at::randn({16, 8}, gen);
+    const auto y = at::randint(3, {16}, gen, at::TensorOptions().dtype(at::kLong));
+    amp.zero_grad();
+    {
+      auto scaled = amp.scale_loss(torch::nn::functional::cross_entropy(amp.forward(model, x), y));
+      scaled.backward();
+      if (step == 2) {
+        auto g = model->parameters().back().mutable_grad();
+        g[0] = std::numeric_limits<float>::infinity();
+      }
+    }
+    amp.step();
+  }
+  if (mode == "save") {
+    torch::save(model, dir + "/model.pt");
+    torch::save(opt, dir + "/optim.pt");
+    amp.save(dir + "/amp.pt");
+  }
+  auto result = apex::make_state_dict();
+  c10::impl::GenericList tensors(c10::AnyType::get());
+  for (const auto& p : model->parameters()) tensors.push_back(p.detach().clone());
+  for (const auto& b : model->buffers()) tensors.push_back(b.clone());
+  for (const auto& m : amp.master_params()) tensors.push_back(m.detach().clone());
+  result.insert("tensors", tensors);
+  result.insert("loss_scale", amp.loss_scale());
+  result.insert("skipped", amp.skipped_steps());
+  apex::save_pickle(result, out);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -77,8 +135,13 @@ int main(int argc, char** argv) {
     if (mode == "gradscaler-run" && argc == 3) return gradscaler_run(argv[2]);
     if (mode == "gradscaler-read" && argc == 3) return gradscaler_read(argv[2]);
     if (mode == "amp-write" && argc == 4) return amp_write(argv[2], argv[3]);
+    if (mode == "amp-train" && (argc == 6 || argc == 7)) {
+      return amp_train(argv[2], std::stoi(argv[3]), std::stoi(argv[4]), argv[5],
+                       argc == 7 ? argv[6] : "");
+    }
     std::cerr
-        << "usage: apex_interop gradscaler-run OUT | gradscaler-read IN | amp-write AMP PARAMS\n";
+        << "usage: apex_interop gradscaler-run OUT | gradscaler-read IN | amp-write AMP PARAMS | "
+           "amp-train DIR FROM TO OUT [save|resume]\n";
     return 2;
   } catch (const std::exception& e) {
     std::cerr << "apex_interop: " << e.what() << "\n";

@@ -83,11 +83,30 @@ def check_amp_state(tmp):
     print("amp state readable with weights_only=True: ok")
 
 
+def check_resume_in_fresh_process(tmp):
+    """Train 10 steps in one process; train 6, save, and resume for 4 in a new process."""
+    full = os.path.join(tmp, "full.pt")
+    part = os.path.join(tmp, "part.pt")
+    resumed = os.path.join(tmp, "resumed.pt")
+    run("amp-train", tmp, "0", "10", full)
+    run("amp-train", tmp, "0", "6", part, "save")
+    run("amp-train", tmp, "6", "10", resumed, "resume")
+    a = torch.load(full, weights_only=True)
+    b = torch.load(resumed, weights_only=True)
+    assert len(a["tensors"]) == len(b["tensors"]) > 0
+    for i, (x, y) in enumerate(zip(a["tensors"], b["tensors"])):
+        assert x.dtype == y.dtype and torch.equal(x, y), f"tensor {i} differs after resume"
+    assert a["loss_scale"] == b["loss_scale"], (a["loss_scale"], b["loss_scale"])
+    assert torch.load(part, weights_only=True)["skipped"] == 1  # the injected overflow
+    print("O2 resume in a fresh process is bit-identical: ok", a["loss_scale"])
+
+
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         check_gradscaler_cpp_to_python(tmp)
         check_gradscaler_python_to_cpp(tmp)
         check_amp_state(tmp)
+        check_resume_in_fresh_process(tmp)
     print("1 passed, 0 failed")
 
 
