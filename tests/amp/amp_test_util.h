@@ -8,6 +8,11 @@
 
 namespace apex::test {
 
+/// Options of `level` without the stderr lines on skipped steps.
+inline apex::amp::Options quiet(apex::amp::OptLevel level) {
+  return apex::amp::Options(level).verbosity(0);
+}
+
 /// Batch `step` of a deterministic stream (same data for every run that asks for that step).
 inline Blobs blob_batch(int64_t step, int64_t batch = 64) {
   return make_blobs(batch, 16, 4, 1000 + static_cast<uint64_t>(step));

@@ -5,10 +5,6 @@ using apex::amp::OptLevel;
 using apex::amp::ScaleLossOptions;
 using namespace apex::test;
 
-namespace {
-Options quiet(OptLevel level) { return Options(level).verbosity(0); }
-}  // namespace
-
 TEST(AmpMisuse, ModelNotFp32BeforeInitialize) {
   Mlp model(4, 4, 2);
   model->to(at::kHalf);

@@ -13,7 +13,21 @@ using namespace apex::test;
 
 namespace {
 
-Options quiet(OptLevel level) { return Options(level).verbosity(0); }
+/// Trains `plain` with `opt` the LibTorch way and `model` through `amp`, on the same batches;
+/// returns how many amp steps were taken.
+int train_side_by_side(Mlp& plain, torch::optim::Optimizer& opt, Mlp& model, Amp& amp, int steps) {
+  int taken = 0;
+  for (int s = 0; s < steps; ++s) {
+    auto batch = blob_batch(s);
+    opt.zero_grad();
+    cross_entropy(plain->forward(batch.x), batch.y).backward();
+    opt.step();
+    amp.zero_grad();
+    amp.scale_loss(cross_entropy(amp.forward(model, batch.x), batch.y)).backward();
+    taken += amp.step() ? 1 : 0;
+  }
+  return taken;
+}
 
 struct Outcome {
   double first_loss = 0;
@@ -86,15 +100,7 @@ TEST(AmpTraining, O0EqualsPlainFp32BitForBit) {
   torch::optim::Adam oa(a->parameters(), torch::optim::AdamOptions(1e-2).weight_decay(1e-4));
   torch::optim::Adam ob(b->parameters(), torch::optim::AdamOptions(1e-2).weight_decay(1e-4));
   auto amp = apex::amp::initialize(b, ob, quiet(OptLevel::O0));
-  for (int s = 0; s < 25; ++s) {
-    auto batch = blob_batch(s);
-    oa.zero_grad();
-    cross_entropy(a->forward(batch.x), batch.y).backward();
-    oa.step();
-    amp.zero_grad();
-    amp.scale_loss(cross_entropy(amp.forward(b, batch.x), batch.y)).backward();
-    EXPECT_TRUE(amp.step());
-  }
+  EXPECT_EQ(train_side_by_side(a, oa, b, amp, 25), 25);
   EXPECT_TRUE(all_equal(a->parameters(), b->parameters()));
   EXPECT_TRUE(all_equal(adam_state(oa), adam_state(ob)));
 }
@@ -316,14 +322,6 @@ TEST(AmpTraining, DisabledHandleIsPlainTraining) {
   torch::optim::SGD ob(b->parameters(), torch::optim::SGDOptions(0.1));
   auto amp = apex::amp::initialize(b, ob, quiet(OptLevel::O2).enabled(false));
   EXPECT_EQ(b->fc1->weight.scalar_type(), at::kFloat);
-  for (int s = 0; s < 3; ++s) {
-    auto batch = blob_batch(s);
-    oa.zero_grad();
-    cross_entropy(a->forward(batch.x), batch.y).backward();
-    oa.step();
-    amp.zero_grad();
-    amp.scale_loss(cross_entropy(amp.forward(b, batch.x), batch.y)).backward();
-    amp.step();
-  }
+  EXPECT_EQ(train_side_by_side(a, oa, b, amp, 3), 3);
   EXPECT_TRUE(all_equal(a->parameters(), b->parameters()));
 }
