@@ -293,11 +293,12 @@ bool AmpState::step(const std::vector<size_t>& indices) {
 // ScaledLoss
 
 ScaledLoss::ScaledLoss(detail::AmpState* state, at::Tensor scaled, int64_t loss_id,
-                       ScaleLossOptions options)
+                       std::vector<size_t> targets, bool delay_unscale)
     : state_(state),
       scaled_(std::move(scaled)),
       loss_id_(loss_id),
-      options_(std::move(options)),
+      targets_(std::move(targets)),
+      delay_unscale_(delay_unscale),
       uncaught_at_entry_(std::uncaught_exceptions()) {}
 
 ScaledLoss::~ScaledLoss() {
@@ -323,7 +324,7 @@ void ScaledLoss::finish() {
   if (finished_) return;
   finished_ = true;
   auto& st = *state_;
-  const auto targets = st.targets_of(options_);
+  const auto& targets = targets_;
   if (std::uncaught_exceptions() > uncaught_at_entry_ || !backward_done_) {
     if (!st.fast_path) st.abandon(targets);
     return;
@@ -332,7 +333,7 @@ void ScaledLoss::finish() {
     for (size_t t : targets) st.entries[t].backward_since_step = true;
     return;
   }
-  if (options_.delay_unscale()) {
+  if (delay_unscale_) {
     for (size_t t : targets) {
       st.entries[t].scaled_pending = true;
       st.entries[t].pending_loss_id = loss_id_;
@@ -499,11 +500,11 @@ ScaledLoss Amp::scale_loss(const at::Tensor& loss, int64_t loss_id,
   // This scaler's scale must reflect every earlier iteration before it is used again.
   st.resolve([&](const detail::PendingCheck& c) { return c.loss_id == loss_id; });
   if (st.fast_path) {
-    return ScaledLoss(&st, loss.to(at::kFloat), loss_id, options);
+    return ScaledLoss(&st, loss.to(at::kFloat), loss_id, targets, options.delay_unscale());
   }
   for (size_t t : targets) st.prepare_backward(t, loss_id);
   const double scale = st.scalers[static_cast<size_t>(loss_id)].loss_scale();
-  return ScaledLoss(&st, loss.to(at::kFloat) * scale, loss_id, options);
+  return ScaledLoss(&st, loss.to(at::kFloat) * scale, loss_id, targets, options.delay_unscale());
 }
 
 bool Amp::step() {

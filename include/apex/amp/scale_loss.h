@@ -50,12 +50,14 @@ class ScaledLoss {
 
  private:
   friend class Amp;
-  ScaledLoss(detail::AmpState* state, at::Tensor scaled, int64_t loss_id, ScaleLossOptions options);
+  ScaledLoss(detail::AmpState* state, at::Tensor scaled, int64_t loss_id,
+             std::vector<size_t> targets, bool delay_unscale);
 
   detail::AmpState* state_;
   at::Tensor scaled_;
   int64_t loss_id_;
-  ScaleLossOptions options_;
+  std::vector<size_t> targets_;  // validated optimizer indices this loss feeds
+  bool delay_unscale_;
   int uncaught_at_entry_;
   bool finished_ = false;
   bool backward_done_ = false;
