@@ -9,7 +9,7 @@ if(NOT APEX_WITH_CUDA STREQUAL "OFF")
       set(CMAKE_CUDA_ARCHITECTURES 80 90)
     endif()
     enable_language(CUDA)
-    set(CMAKE_CUDA_STANDARD 20)
+    set(CMAKE_CUDA_STANDARD 17)  # CMake 3.25 has no CUDA20 dialect for nvcc; the kernels need only C++17
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
     set(APEX_CUDA_ENABLED ON)
   elseif(APEX_WITH_CUDA STREQUAL "ON")

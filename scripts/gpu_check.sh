@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check: build against the machine's own torch (CUDA build), run the cuda-labelled
-# tests (and, once they exist, the GPU benchmarks), print a short table. Writes logs to $OUT if set.
+# tests and the GPU benchmarks, print a short table. Writes logs and JSON to $OUT if set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/apex-gpu}
@@ -16,5 +16,8 @@ cmake --build build-gpu -j16 >"$OUT/build.log" 2>&1 || { grep -E "error" -A5 "$O
 echo "build: $(($(date +%s) - start)) s"
 (cd build-gpu && ctest -L cuda --output-on-failure --timeout 300) 2>&1 | tee "$OUT/ctest-cuda.log" | tail -25
 (cd build-gpu && ctest -L unit -j8 --timeout 300) 2>&1 | tail -3
+echo; echo "== apex-bench optim --device cuda =="
+timeout 240 build-gpu/tools/apex-bench optim --device cuda --repeats 20 --warmup 3 \
+  --json "$OUT/bench-optim-cuda.json" 2>&1 | tee "$OUT/bench-optim-cuda.txt" | tail -14
 echo; echo "== cuda tests =="
 grep -E "Test +#" "$OUT/ctest-cuda.log" | sed -E 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: //; s/ \.+ */  /'

@@ -8,4 +8,5 @@
 #include <apex/amp/options.h>
 #include <apex/amp/scale_loss.h>
 #include <apex/amp/utils.h>
+#include <apex/optim.h>
 #include <apex/serialize.h>

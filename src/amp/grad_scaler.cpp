@@ -5,13 +5,20 @@
 
 #include <ATen/ops/_amp_update_scale.h>
 #include <ATen/ops/full.h>
+#include <apex/optim/fused_optimizer.h>
+#include <apex/optim/multi_tensor.h>
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 #include <torch/optim/optimizer.h>
 
+#include <map>
+
 #include <cmath>
 
 namespace apex::amp {
+
+using apex::optim::GradScaling;
+
 namespace {
 
 double number_entry(const StateDict& state, const char* key) {
@@ -131,6 +138,9 @@ std::optional<at::Tensor> GradScaler::step(torch::optim::Optimizer& optimizer) {
   auto& state = state_of(optimizer);
   TORCH_CHECK(state.stage != Stage::kStepped,
               "GradScaler::step() has already been called since the last update()");
+  if (auto* fused = dynamic_cast<apex::optim::FusedOptimizer*>(&optimizer)) {
+    return fused_step(*fused, state);
+  }
   if (state.stage == Stage::kReady) unscale_(optimizer);
   TORCH_CHECK(!state.found_inf_per_device.empty(),
               "GradScaler::step: no inf checks were recorded for this optimizer (no parameter "
@@ -140,6 +150,41 @@ std::optional<at::Tensor> GradScaler::step(torch::optim::Optimizer& optimizer) {
       detail::sum_flags(state.found_inf_per_device, scale_.device()).item<float>() != 0.0f;
   std::optional<at::Tensor> result;
   if (!found_inf) result = optimizer.step();
+  state.stage = Stage::kStepped;
+  return result;
+}
+
+std::optional<at::Tensor> GradScaler::fused_step(apex::optim::FusedOptimizer& optimizer,
+                                                 OptimizerState& state) {
+  // torch's protocol for optimizers that support amp scaling: the gradients are only read here
+  // (no unscale pass), and the kernel unscales them and skips on overflow by itself.
+  GradScaling scaling;
+  if (state.stage == Stage::kReady) {
+    std::map<std::pair<std::string, int>, std::vector<at::Tensor>> grads;
+    for (auto& group : optimizer.param_groups()) {
+      for (auto& p : group.params()) {
+        const at::Tensor& g = p.grad();
+        if (!g.defined() || g.is_sparse()) continue;
+        grads[{g.device().str(), static_cast<int>(g.scalar_type())}].push_back(g);
+      }
+    }
+    for (auto& [key, list] : grads) {
+      apex::optim::multi_tensor_check_finite(
+          list, detail::flag_for(state.found_inf_per_device, list.front().device()));
+    }
+    scaling.inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+  }
+  TORCH_CHECK(!state.found_inf_per_device.empty(),
+              "GradScaler::step: no inf checks were recorded for this optimizer (no parameter "
+              "has a gradient; did backward run?)");
+  scaling.found_inf = detail::sum_flags(state.found_inf_per_device, scale_.device());
+  std::optional<at::Tensor> result;
+  if (optimizer.skips_without_sync()) {
+    result = optimizer.step(scaling);
+  } else if (scaling.found_inf.item<float>() == 0.0f) {
+    // Optimizers that read the flag on the host anyway: read it once here instead.
+    result = optimizer.step(GradScaling{scaling.inv_scale, at::Tensor()});
+  }
   state.stage = Stage::kStepped;
   return result;
 }

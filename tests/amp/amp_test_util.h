@@ -18,12 +18,6 @@ inline Blobs blob_batch(int64_t step, int64_t batch = 64) {
   return make_blobs(batch, 16, 4, 1000 + static_cast<uint64_t>(step));
 }
 
-inline std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& ts) {
-  std::vector<at::Tensor> out;
-  for (const auto& t : ts) out.push_back(t.detach().clone());
-  return out;
-}
-
 inline bool all_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i) {

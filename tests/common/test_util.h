@@ -52,6 +52,13 @@ inline ::testing::AssertionResult all_close(const at::Tensor& actual, const at::
   return ::testing::AssertionSuccess();
 }
 
+/// Detached clones of `ts`.
+inline std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(t.detach().clone());
+  return out;
+}
+
 /// Asserts that `fn` throws a c10::Error whose message contains `fragment`.
 template <typename Fn>
 ::testing::AssertionResult throws_with(Fn&& fn, const std::string& fragment) {

@@ -7,6 +7,10 @@
 //       O2 fp16 MLP with BatchNorm, steps [FROM, TO) (overflow injected at step 2); `resume` loads
 //       model/optimizer/amp from DIR first, `save` writes them there after; OUT.pt gets every
 //       parameter, buffer and master plus the loss scale, for a bit-exact comparison in Python.
+//   apex_interop optim-run adam|sgd|adagrad IN.pt OUT.pt
+//       IN.pt = {"params": [...], "grads": [[...] per step], "state": optimizer state in
+//       torch.optim's layout (optional)}; runs the fused optimizer (same options as the Python
+//       side) over the steps and writes {"params": [...], "state": python_state_dict()}.
 #include <apex/apex.h>
 
 #include <torch/nn/functional/loss.h>
@@ -127,6 +131,49 @@ int amp_train(const std::string& dir, int from, int to, const std::string& out,
   return 0;
 }
 
+std::unique_ptr<apex::optim::FusedOptimizer> make_optimizer(const std::string& kind,
+                                                            std::vector<at::Tensor> params) {
+  using namespace apex::optim;
+  if (kind == "adam") {
+    return std::make_unique<FusedAdam>(std::move(params),
+                                       FusedAdamOptions(1e-2).weight_decay(0.01).adam_w_mode(true));
+  }
+  if (kind == "sgd") {
+    return std::make_unique<FusedSGD>(
+        std::move(params), FusedSGDOptions(0.1).momentum(0.9).weight_decay(1e-3).nesterov(true));
+  }
+  if (kind == "adagrad") {
+    return std::make_unique<FusedAdagrad>(
+        std::move(params),
+        FusedAdagradOptions(0.1).lr_decay(0.01).weight_decay(1e-3).initial_accumulator_value(0.1));
+  }
+  throw std::invalid_argument("unknown optimizer kind " + kind);
+}
+
+int optim_run(const std::string& kind, const std::string& in, const std::string& out) {
+  const auto input = apex::load_pickle(in).toGenericDict();
+  std::vector<at::Tensor> params;
+  for (const auto& t : input.at("params").toList()) {
+    params.push_back(t.get().toTensor().clone().set_requires_grad(true));
+  }
+  auto opt = make_optimizer(kind, params);
+  if (input.contains("state")) opt->load_python_state_dict(input.at("state").toGenericDict());
+  for (const auto& step : input.at("grads").toList()) {
+    const auto grads = step.get().toList();
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].mutable_grad() = grads.get(i).toTensor();
+    }
+    opt->step();
+  }
+  c10::impl::GenericList final_params(c10::AnyType::get());
+  for (const auto& p : params) final_params.push_back(p.detach());
+  auto result = apex::make_state_dict();
+  result.insert("params", final_params);
+  result.insert("state", opt->python_state_dict());
+  apex::save_pickle(result, out);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -139,9 +186,10 @@ int main(int argc, char** argv) {
       return amp_train(argv[2], std::stoi(argv[3]), std::stoi(argv[4]), argv[5],
                        argc == 7 ? argv[6] : "");
     }
+    if (mode == "optim-run" && argc == 5) return optim_run(argv[2], argv[3], argv[4]);
     std::cerr
         << "usage: apex_interop gradscaler-run OUT | gradscaler-read IN | amp-write AMP PARAMS | "
-           "amp-train DIR FROM TO OUT [save|resume]\n";
+           "amp-train DIR FROM TO OUT [save|resume] | optim-run KIND IN OUT\n";
     return 2;
   } catch (const std::exception& e) {
     std::cerr << "apex_interop: " << e.what() << "\n";

@@ -15,6 +15,9 @@
 namespace torch::optim {
 class Optimizer;
 }
+namespace apex::optim {
+class FusedOptimizer;
+}
 
 namespace apex::amp {
 
@@ -53,6 +56,11 @@ class GradScaler {
 
   /// Unscales (if not yet done) and calls `optimizer.step()` unless a gradient was inf/NaN.
   /// Returns what `step()` returned, or nullopt when the step was skipped.
+  ///
+  /// An `apex::optim::FusedOptimizer` gets torch's fused protocol instead: the gradients are only
+  /// checked (not written), the kernel unscales them, and an overflow is skipped on the device
+  /// with no host synchronization (FusedAdam, FusedSGD). The return value then holds what
+  /// `step()` returned whether or not the device skipped the update.
   std::optional<at::Tensor> step(torch::optim::Optimizer& optimizer);
 
   /// Updates the scale from this iteration's inf checks (backoff on inf, growth after
@@ -95,6 +103,8 @@ class GradScaler {
   void unscale_grads(torch::optim::Optimizer& optimizer, const at::Tensor& inv_scale,
                      bool allow_fp16, OptimizerState& state) const;
   void check_scale_initialized(const char* fn) const;
+  std::optional<at::Tensor> fused_step(apex::optim::FusedOptimizer& optimizer,
+                                       OptimizerState& state);
 
   c10::DeviceType device_;
   bool enabled_;

@@ -1,0 +1,91 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <apex/state_dict.h>
+#include <torch/optim/optimizer.h>
+
+#include <vector>
+
+namespace apex::optim {
+
+/// Loss-scaling inputs of one fused step (torch's `grad_scale`/`found_inf` protocol).
+struct GradScaling {
+  /// One-element fp32 tensor: gradients are multiplied by it inside the kernels (they are not
+  /// written). Undefined: gradients are used as they are.
+  at::Tensor inv_scale;
+  /// One-element fp32 tensor: when it holds a non-zero value the step changes nothing
+  /// (parameters, moments, step counters). Undefined: never skip.
+  at::Tensor found_inf;
+};
+
+/// Base of the fused multi-tensor optimizers. A step updates every parameter of a group in one
+/// pass over memory per (device, dtype) bucket. Parameters may be fp32, fp16 or bf16 (math and
+/// state in fp32); each group's parameters must sit on one device.
+///
+/// `step(scaling)` accepts a loss scaler's inverse scale and found-inf flag: gradients are
+/// unscaled inside the kernel and an overflow skips the update on the device.
+/// `apex::amp::GradScaler::step` and `apex::amp::Amp::step` use it automatically.
+class FusedOptimizer : public torch::optim::Optimizer {
+ public:
+  FusedOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                 std::unique_ptr<torch::optim::OptimizerOptions> defaults);
+
+  /// Adds a group. Unlike torch::optim::Optimizer::add_param_group in LibTorch 2.13, which
+  /// replaces the options of optimizer types it does not know by the defaults, the group keeps
+  /// its own options.
+  void add_param_group(const torch::optim::OptimizerParamGroup& param_group);
+
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  /// One step with loss-scaling inputs; see GradScaling.
+  torch::Tensor step(const GradScaling& scaling, LossClosure closure = nullptr);
+
+  /// Clears gradients: to undefined when `set_grad_none` (the default of apex's optimizers),
+  /// else to zero.
+  void zero_grad();
+  using torch::optim::Optimizer::zero_grad;
+
+  /// True when a step with `found_inf` set needs no host synchronization (counters live on the
+  /// device). False optimizers read the flag once per step.
+  virtual bool skips_without_sync() const { return false; }
+
+  /// The optimizer's state in the layout of the matching `torch.optim` class's `state_dict()`
+  /// (tensors on the CPU), for `apex::save_pickle` and Python's `torch.load`. Throws for
+  /// optimizers that have no `torch.optim` counterpart.
+  virtual StateDict python_state_dict() const;
+  /// Loads the layout written by `python_state_dict()` or by Python's `optimizer.state_dict()`.
+  virtual void load_python_state_dict(const StateDict& state);
+
+ protected:
+  /// The update itself; `scaling` tensors are already on the right device or undefined.
+  virtual void fused_step(const GradScaling& scaling) = 0;
+  virtual bool set_grad_none() const { return true; }
+
+  /// A parameter with its gradient.
+  struct Entry {
+    at::Tensor param;
+    at::Tensor grad;
+  };
+  /// Per group, the parameters that have gradients, checked (dtype, device, shape, density,
+  /// sparsity) before anything changes. `who` prefixes the messages.
+  std::vector<std::vector<Entry>> collect(const char* who) const;
+  /// Splits a group's entries into buckets of one (param dtype, grad dtype).
+  static std::vector<std::vector<Entry>> buckets(const std::vector<Entry>& entries);
+  /// `t` on `device` (a copy only when it lives elsewhere), or undefined.
+  static at::Tensor on(const at::Tensor& t, c10::Device device);
+  /// Reads a found-inf flag on the host (one synchronization): true when it is set.
+  static bool found_inf_on_host(const at::Tensor& found_inf);
+
+  /// The state of `param`, created by `init` when absent.
+  template <class State, class Init>
+  State& state_of(const at::Tensor& param, const Init& init) {
+    auto& slot = state_[param.unsafeGetTensorImpl()];
+    if (!slot) {
+      auto s = std::make_unique<State>();
+      init(*s);
+      slot = std::move(s);
+    }
+    return static_cast<State&>(*slot);
+  }
+};
+
+}  // namespace apex::optim

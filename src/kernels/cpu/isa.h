@@ -1,0 +1,56 @@
+// Per-ISA chunk kernels of the CPU backend. isa_kernels.cpp is compiled once per instruction set
+// (baseline, AVX2, AVX-512) with everything at internal linkage except the table getter, so no
+// inline function compiled for a wider ISA can leak into the baseline path through the linker.
+// The driver (multi_tensor_cpu.cpp) splits tensors into chunks, runs them on threads and calls
+// these functions on one chunk each; pointers are already offset to the chunk's first element.
+#pragma once
+
+#include "kernels/multi_tensor.h"
+
+namespace apex::kernels::cpu {
+
+/// One chunk of one tensor across the lists of a call.
+struct Span {
+  void* p[kMaxLists] = {};
+  DType t[kMaxLists] = {};
+  int64_t n = 0;
+};
+
+struct AdamChunk {
+  float inv, l2, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size;
+};
+struct SgdChunk {
+  float inv, wd_before, wd_after, momentum, one_minus_dampening, lr;
+  bool nesterov, first_run, has_momentum;
+};
+struct AdagradChunk {
+  float inv, l2, decay, lr, eps;
+};
+struct LambChunk {
+  float g_mul, l2, wd_update, beta1, beta3, beta2, one_minus_beta2, bc1, bc2, eps;
+};
+struct NovoGradChunk {
+  float inv, beta1, beta3, bc1, wd, lr, denom;
+  bool reg_inside_moment;
+};
+
+struct IsaTable {
+  const char* name;
+  bool (*scale)(const Span&, float s);
+  bool (*axpby)(const Span&, float a, float b, int arg_to_check);
+  bool (*non_finite)(const Span&);
+  double (*sumsq)(const Span&, float mul);
+  float (*absmax)(const Span&, float mul);
+  void (*adam)(const Span&, const AdamChunk&);
+  void (*sgd)(const Span&, const SgdChunk&);
+  void (*adagrad)(const Span&, const AdagradChunk&);
+  void (*lamb_stage1)(const Span&, const LambChunk&, double* u_sumsq, double* p_sumsq);
+  void (*lamb_stage2)(const Span&, const LambChunk&, float ratio);
+  void (*novograd)(const Span&, const NovoGradChunk&);
+};
+
+const IsaTable& isa_table_baseline();
+const IsaTable& isa_table_avx2();
+const IsaTable& isa_table_avx512();
+
+}  // namespace apex::kernels::cpu

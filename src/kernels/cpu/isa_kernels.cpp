@@ -1,0 +1,417 @@
+// Chunk kernels, compiled once per instruction set (see isa.h). The math loops are plain fp32
+// loops over restrict pointers that the compiler vectorizes for the target ISA; fp16/bf16 storage
+// is converted tile by tile into L1-resident fp32 buffers, so one math loop serves every dtype.
+#include <cstring>
+
+#include "kernels/cpu/isa.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#ifndef APEX_CPU_ISA
+#define APEX_CPU_ISA baseline
+#endif
+#define APEX_CAT_(a, b) a##b
+#define APEX_CAT(a, b) APEX_CAT_(a, b)
+
+namespace apex::kernels::cpu {
+namespace {
+
+constexpr int64_t kTile = 512;
+constexpr float kFloatMax = 3.40282346638528859811704183484516925e+38f;
+
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// ---- dtype conversion ------------------------------------------------------------------------
+
+void half_to_float(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(dst + i,
+                     _mm512_maskz_cvtph_ps(
+                         0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  }
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+#endif
+  for (; i < n; ++i) {
+    _Float16 h;
+    std::memcpy(&h, src + i, 2);
+    dst[i] = static_cast<float>(h);
+  }
+}
+
+void float_to_half(const float* __restrict src, uint16_t* __restrict dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(dst + i),
+        _mm512_maskz_cvtps_ph(0xffff, _mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  }
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  }
+#endif
+  for (; i < n; ++i) {
+    const auto h = static_cast<_Float16>(src[i]);
+    std::memcpy(dst + i, &h, 2);
+  }
+}
+
+void bf16_to_float(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_of(static_cast<uint32_t>(src[i]) << 16);
+}
+
+// Round to nearest even, NaN to the canonical quiet NaN (c10::BFloat16's rounding).
+void float_to_bf16(const float* __restrict src, uint16_t* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = bits_of(src[i]);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+    dst[i] = static_cast<uint16_t>(nan ? 0x7fc0u : rounded);
+  }
+}
+
+// Returns a pointer to n fp32 values of src: src itself for fp32 storage, else buf filled.
+inline float* load(DType t, void* src, float* buf, int64_t n) {
+  switch (t) {
+    case DType::kFloat32:
+      return static_cast<float*>(src);
+    case DType::kFloat16:
+      half_to_float(static_cast<const uint16_t*>(src), buf, n);
+      return buf;
+    case DType::kBFloat16:
+      bf16_to_float(static_cast<const uint16_t*>(src), buf, n);
+      return buf;
+  }
+  return buf;
+}
+
+// Writes n fp32 values to dst in its storage dtype; a no-op when they are already there.
+inline void store(DType t, const float* src, void* dst, int64_t n) {
+  switch (t) {
+    case DType::kFloat32:
+      if (src != dst) std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+      return;
+    case DType::kFloat16:
+      float_to_half(src, static_cast<uint16_t*>(dst), n);
+      return;
+    case DType::kBFloat16:
+      float_to_bf16(src, static_cast<uint16_t*>(dst), n);
+      return;
+  }
+}
+
+inline void* at(void* base, DType t, int64_t offset) {
+  return static_cast<char*>(base) + offset * (t == DType::kFloat32 ? 4 : 2);
+}
+
+// Tile walker: for each tile, the parameter the math works on (the master when `master` names a
+// present list, else list 0) as fp32, then written back to every list that holds it.
+struct ParamTile {
+  float buf[kTile];
+  float* p = nullptr;
+  void begin(const Span& s, int master, int64_t off, int64_t n) {
+    if (master >= 0 && s.p[master] != nullptr) {
+      p = static_cast<float*>(s.p[master]) + off;
+    } else {
+      p = load(s.t[0], at(s.p[0], s.t[0], off), buf, n);
+    }
+  }
+  void end(const Span& s, int64_t off, int64_t n) const {
+    store(s.t[0], p, at(s.p[0], s.t[0], off), n);
+  }
+};
+
+inline float* fp32_list(const Span& s, int l, int64_t off) {
+  return static_cast<float*>(s.p[l]) + off;
+}
+
+// ---- primitives -------------------------------------------------------------------------------
+
+bool any_non_finite(const float* __restrict x, int64_t n) {
+  int bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad |= !(__builtin_fabsf(x[i]) <= kFloatMax);
+  return bad != 0;
+}
+
+bool scale_chunk(const Span& s, float scale) {
+  float in_buf[kTile];
+  float out_buf[kTile];
+  bool bad = false;
+  for (int64_t off = 0; off < s.n; off += kTile) {
+    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
+    const float* x = load(s.t[0], at(s.p[0], s.t[0], off), in_buf, n);
+    bad |= any_non_finite(x, n);
+    float* y = s.t[1] == DType::kFloat32 ? fp32_list(s, 1, off) : out_buf;
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * scale;
+    store(s.t[1], y, at(s.p[1], s.t[1], off), n);
+  }
+  return bad;
+}
+
+bool axpby_chunk(const Span& s, float a, float b, int arg_to_check) {
+  float x_buf[kTile];
+  float y_buf[kTile];
+  float out_buf[kTile];
+  bool bad = false;
+  for (int64_t off = 0; off < s.n; off += kTile) {
+    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
+    const float* x = load(s.t[0], at(s.p[0], s.t[0], off), x_buf, n);
+    const float* y = load(s.t[1], at(s.p[1], s.t[1], off), y_buf, n);
+    if (arg_to_check != 1) bad |= any_non_finite(x, n);
+    if (arg_to_check != 0) bad |= any_non_finite(y, n);
+    float* out = s.t[2] == DType::kFloat32 ? fp32_list(s, 2, off) : out_buf;
+    for (int64_t i = 0; i < n; ++i) out[i] = a * x[i] + b * y[i];
+    store(s.t[2], out, at(s.p[2], s.t[2], off), n);
+  }
+  return bad;
+}
+
+bool non_finite_chunk(const Span& s) {
+  float buf[kTile];
+  for (int64_t off = 0; off < s.n; off += kTile) {
+    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
+    if (any_non_finite(load(s.t[0], at(s.p[0], s.t[0], off), buf, n), n)) return true;
+  }
+  return false;
+}
+
+// Sixteen independent fp32 lanes per tile (vectorizable without reassociation flags), summed
+// into a double per tile: accurate and independent of the thread count.
+double lane_sumsq(const float* __restrict x, int64_t n, float mul) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 16; ++j) {
+      const float v = x[i + j] * mul;
+      acc[j] += v * v;
+    }
+  }
+  for (; i < n; ++i) {
+    const float v = x[i] * mul;
+    acc[0] += v * v;
+  }
+  double total = 0.0;
+  for (float a : acc) total += a;
+  return total;
+}
+
+double sumsq_chunk(const Span& s, float mul) {
+  float buf[kTile];
+  double total = 0.0;
+  for (int64_t off = 0; off < s.n; off += kTile) {
+    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
+    total += lane_sumsq(load(s.t[0], at(s.p[0], s.t[0], off), buf, n), n, mul);
+  }
+  return total;
+}
+
+// NaN is sticky: once a lane holds NaN no comparison replaces it.
+float absmax_chunk(const Span& s, float mul) {
+  float buf[kTile];
+  float acc[16] = {};
+  for (int64_t off = 0; off < s.n; off += kTile) {
+    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
+    const float* x = load(s.t[0], at(s.p[0], s.t[0], off), buf, n);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      for (int j = 0; j < 16; ++j) {
+        const float v = __builtin_fabsf(x[i + j] * mul);
+        acc[j] = (v > acc[j] || v != v) ? v : acc[j];
+      }
+    }
+    for (; i < n; ++i) {
+      const float v = __builtin_fabsf(x[i] * mul);
+      acc[0] = (v > acc[0] || v != v) ? v : acc[0];
+    }
+  }
+  float m = 0.0f;
+  for (float a : acc) {
+    if (a != a) return a;
+    m = a > m ? a : m;
+  }
+  return m;
+}
+
+// ---- optimizers -------------------------------------------------------------------------------
+
+void adam_math(float* __restrict p, const float* __restrict g, float* __restrict m,
+               float* __restrict v, int64_t n, const AdamChunk& a) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float pi = p[i];
+    const float gi = g[i] * a.inv + a.l2 * pi;
+    const float mi = m[i] * a.beta1 + a.one_minus_beta1 * gi;
+    const float vi = v[i] * a.beta2 + a.one_minus_beta2 * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = __builtin_sqrtf(vi) / a.bc2_sqrt + a.eps;
+    p[i] = pi * a.decay - a.step_size * (mi / denom);
+  }
+}
+
+void adam_chunk(const Span& s, const AdamChunk& a) {
+  ParamTile pt;
+  float g_buf[kTile];
+  for (int64_t off = 0; off < s.n; off += kTile) {
+    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
+    pt.begin(s, 4, off, n);
+    const float* g = load(s.t[1], at(s.p[1], s.t[1], off), g_buf, n);
+    adam_math(pt.p, g, fp32_list(s, 2, off), fp32_list(s, 3, off), n, a);
+    pt.end(s, off, n);
+  }
+}
+
+void sgd_chunk(const Span& s, const SgdChunk& a) {
+  ParamTile pt;
+  float g_buf[kTile];
+  float d_buf[kTile];
+  for (int64_t off = 0; off < s.n; off += kTile) {
+    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
+    pt.begin(s, 3, off, n);
+    float* __restrict p = pt.p;
+    const float* __restrict g = load(s.t[1], at(s.p[1], s.t[1], off), g_buf, n);
+    float* __restrict d = d_buf;
+    for (int64_t i = 0; i < n; ++i) d[i] = g[i] * a.inv + a.wd_before * p[i];
+    if (a.has_momentum) {
+      float* __restrict buf = fp32_list(s, 2, off);
+      if (a.first_run) {
+        for (int64_t i = 0; i < n; ++i) buf[i] = d[i];
+      } else {
+        for (int64_t i = 0; i < n; ++i) buf[i] = a.momentum * buf[i] + a.one_minus_dampening * d[i];
+      }
+      if (a.nesterov) {
+        for (int64_t i = 0; i < n; ++i) d[i] = d[i] + a.momentum * buf[i];
+      } else {
+        for (int64_t i = 0; i < n; ++i) d[i] = buf[i];
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) p[i] = p[i] - a.lr * (d[i] + a.wd_after * p[i]);
+    pt.end(s, off, n);
+  }
+}
+
+void adagrad_chunk(const Span& s, const AdagradChunk& a) {
+  ParamTile pt;
+  float g_buf[kTile];
+  for (int64_t off = 0; off < s.n; off += kTile) {
+    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
+    pt.begin(s, 3, off, n);
+    float* __restrict p = pt.p;
+    const float* __restrict g = load(s.t[1], at(s.p[1], s.t[1], off), g_buf, n);
+    float* __restrict h = fp32_list(s, 2, off);
+    for (int64_t i = 0; i < n; ++i) {
+      const float pi = p[i];
+      const float gi = g[i] * a.inv + a.l2 * pi;
+      const float hi = h[i] + gi * gi;
+      h[i] = hi;
+      p[i] = pi * a.decay - a.lr * (gi / (__builtin_sqrtf(hi) + a.eps));
+    }
+    pt.end(s, off, n);
+  }
+}
+
+inline float lamb_update(float m, float v, float p, const LambChunk& a) {
+  return (m / a.bc1) / (__builtin_sqrtf(v / a.bc2) + a.eps) + a.wd_update * p;
+}
+
+void lamb_stage1_chunk(const Span& s, const LambChunk& a, double* u_sumsq, double* p_sumsq) {
+  ParamTile pt;
+  float g_buf[kTile];
+  double u_total = 0.0;
+  double p_total = 0.0;
+  for (int64_t off = 0; off < s.n; off += kTile) {
+    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
+    pt.begin(s, 4, off, n);
+    const float* __restrict p = pt.p;
+    const float* __restrict g = load(s.t[1], at(s.p[1], s.t[1], off), g_buf, n);
+    float* __restrict m = fp32_list(s, 2, off);
+    float* __restrict v = fp32_list(s, 3, off);
+    float u_buf[kTile];
+    float* __restrict u = u_buf;
+    for (int64_t i = 0; i < n; ++i) {
+      const float gi = g[i] * a.g_mul + a.l2 * p[i];
+      const float mi = a.beta1 * m[i] + a.beta3 * gi;
+      const float vi = a.beta2 * v[i] + a.one_minus_beta2 * gi * gi;
+      m[i] = mi;
+      v[i] = vi;
+      u[i] = lamb_update(mi, vi, p[i], a);
+    }
+    u_total += lane_sumsq(u, n, 1.0f);
+    p_total += lane_sumsq(p, n, 1.0f);
+  }
+  *u_sumsq = u_total;
+  *p_sumsq = p_total;
+}
+
+void lamb_stage2_chunk(const Span& s, const LambChunk& a, float ratio) {
+  ParamTile pt;
+  for (int64_t off = 0; off < s.n; off += kTile) {
+    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
+    pt.begin(s, 4, off, n);
+    float* __restrict p = pt.p;
+    const float* __restrict m = fp32_list(s, 2, off);
+    const float* __restrict v = fp32_list(s, 3, off);
+    for (int64_t i = 0; i < n; ++i) p[i] = p[i] - ratio * lamb_update(m[i], v[i], p[i], a);
+    pt.end(s, off, n);
+  }
+}
+
+void novograd_chunk(const Span& s, const NovoGradChunk& a) {
+  ParamTile pt;
+  float g_buf[kTile];
+  for (int64_t off = 0; off < s.n; off += kTile) {
+    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
+    pt.begin(s, 3, off, n);
+    float* __restrict p = pt.p;
+    const float* __restrict g = load(s.t[1], at(s.p[1], s.t[1], off), g_buf, n);
+    float* __restrict m = fp32_list(s, 2, off);
+    if (a.reg_inside_moment) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float gi = (g[i] * a.inv) / a.denom + a.wd * p[i];
+        const float mi = a.beta1 * m[i] + a.beta3 * gi;
+        m[i] = mi;
+        p[i] = p[i] - a.lr * (mi / a.bc1);
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        const float mi = a.beta1 * m[i] + a.beta3 * (g[i] * a.inv);
+        m[i] = mi;
+        p[i] = p[i] - a.lr * ((mi / a.bc1) / a.denom + a.wd * p[i]);
+      }
+    }
+    pt.end(s, off, n);
+  }
+}
+
+#define APEX_STR_(x) #x
+#define APEX_STR(x) APEX_STR_(x)
+
+const IsaTable kTable = {
+    APEX_STR(APEX_CPU_ISA), scale_chunk,    axpby_chunk, non_finite_chunk, sumsq_chunk,
+    absmax_chunk,           adam_chunk,     sgd_chunk,   adagrad_chunk,    lamb_stage1_chunk,
+    lamb_stage2_chunk,      novograd_chunk,
+};
+
+}  // namespace
+
+const IsaTable& APEX_CAT(isa_table_, APEX_CPU_ISA)() { return kTable; }
+
+}  // namespace apex::kernels::cpu

@@ -1,0 +1,283 @@
+#include "apex/optim/fused_adam.h"
+
+#include <ATen/ops/clamp_max.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/serialize/archive.h>
+
+#include "optim/lists.h"
+#include "optim/python_state.h"
+
+namespace apex::optim {
+namespace {
+
+constexpr const char* kWho = "FusedAdam";
+
+void validate(const FusedAdamOptions& o) {
+  TORCH_CHECK(o.lr() >= 0, "FusedAdam: lr must be >= 0, got ", o.lr());
+  TORCH_CHECK(o.eps() >= 0, "FusedAdam: eps must be >= 0, got ", o.eps());
+  const auto [b1, b2] = o.betas();
+  TORCH_CHECK(b1 >= 0 && b1 < 1, "FusedAdam: betas[0] must be in [0, 1), got ", b1);
+  TORCH_CHECK(b2 >= 0 && b2 < 1, "FusedAdam: betas[1] must be in [0, 1), got ", b2);
+  TORCH_CHECK(o.weight_decay() >= 0, "FusedAdam: weight_decay must be >= 0, got ",
+              o.weight_decay());
+  TORCH_CHECK(!o.amsgrad(),
+              "FusedAdam: amsgrad is not supported (apex's FusedAdam rejects it "
+              "too); use torch::optim::Adam with amsgrad(true)");
+}
+
+const FusedAdamOptions& options_of(const torch::optim::OptimizerParamGroup& g) {
+  return static_cast<const FusedAdamOptions&>(g.options());
+}
+
+}  // namespace
+
+FusedAdamOptions::FusedAdamOptions(double lr) : lr_(lr) {}
+
+void FusedAdamOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(adam_w_mode);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(bias_correction);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(amsgrad);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(set_grad_none);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(capturable);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(master_weights);
+}
+
+void FusedAdamOptions::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, adam_w_mode);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, bias_correction);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, amsgrad);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, set_grad_none);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, capturable);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, master_weights);
+}
+
+void FusedAdamParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(step);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(master_param);
+}
+
+void FusedAdamParamState::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, step);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(at::Tensor, exp_avg);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(at::Tensor, exp_avg_sq);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(at::Tensor, master_param);
+}
+
+FusedAdam::FusedAdam(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                     FusedAdamOptions defaults)
+    : FusedOptimizer(param_groups, std::make_unique<FusedAdamOptions>(defaults)) {
+  validate(defaults);
+  for (const auto& g : param_groups_) validate(options_of(g));
+}
+
+bool FusedAdam::set_grad_none() const {
+  return static_cast<const FusedAdamOptions&>(defaults()).set_grad_none();
+}
+
+at::Tensor& FusedAdam::step_tensor(size_t group, c10::Device device) {
+  if (steps_.size() <= group) steps_.resize(group + 1);
+  at::Tensor& s = steps_[group];
+  if (!s.defined()) {
+    s = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
+  } else if (s.device() != device) {
+    s = s.to(device);
+  }
+  return s;
+}
+
+at::Tensor FusedAdam::lr_tensor(size_t group) {
+  TORCH_CHECK(group < param_groups_.size(), "FusedAdam::lr_tensor: group ", group,
+              " out of range (", param_groups_.size(), " groups)");
+  if (lrs_.size() <= group) lrs_.resize(group + 1);
+  return lrs_[group];
+}
+
+int64_t FusedAdam::step_count(size_t group) const {
+  if (group >= steps_.size() || !steps_[group].defined()) return 0;
+  return static_cast<int64_t>(steps_[group].item<float>());
+}
+
+void FusedAdam::fused_step(const GradScaling& scaling) {
+  for (const auto& g : param_groups_) validate(options_of(g));
+  const auto groups = collect(kWho);
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const auto& entries = groups[gi];
+    if (entries.empty()) continue;
+    const FusedAdamOptions& o = options_of(param_groups_[gi]);
+    const c10::Device device = entries.front().param.device();
+    const at::Tensor inv = on(scaling.inv_scale, device);
+    const at::Tensor found = on(scaling.found_inf, device);
+
+    at::Tensor& step = step_tensor(gi, device);
+    step.add_(1);
+    kernels::AdamArgs args;
+    args.lr = static_cast<float>(o.lr());
+    args.beta1 = static_cast<float>(std::get<0>(o.betas()));
+    args.beta2 = static_cast<float>(std::get<1>(o.betas()));
+    args.eps = static_cast<float>(o.eps());
+    args.weight_decay = static_cast<float>(o.weight_decay());
+    args.adam_w_mode = o.adam_w_mode();
+    args.bias_correction = o.bias_correction();
+    args.step_ptr = step.data_ptr<float>();
+    if (o.capturable()) {
+      if (lrs_.size() <= gi) lrs_.resize(gi + 1);
+      at::Tensor& lr = lrs_[gi];
+      if (!lr.defined() || lr.device() != device) {
+        lr = at::full({1}, o.lr(), at::TensorOptions().dtype(at::kFloat).device(device));
+      }
+      args.lr_ptr = lr.data_ptr<float>();
+    }
+    args.amp.inv_scale = detail::scalar_ptr(inv, device, kWho, "inv_scale");
+    args.amp.found_inf = detail::scalar_ptr(found, device, kWho, "found_inf");
+
+    for (const auto& bucket : buckets(entries)) {
+      const bool master = o.master_weights() && bucket.front().param.scalar_type() != at::kFloat;
+      detail::ListBuilder lists(5);
+      for (const auto& e : bucket) {
+        auto& slot = state_[e.param.unsafeGetTensorImpl()];
+        if (!slot) {
+          auto s = std::make_unique<FusedAdamParamState>();
+          s->exp_avg(detail::zeros_state(e.param));
+          s->exp_avg_sq(detail::zeros_state(e.param));
+          slot = std::move(s);
+        }
+        auto& s = static_cast<FusedAdamParamState&>(*slot);
+        s.exp_avg(detail::conform_state(s.exp_avg(), e.param));
+        s.exp_avg_sq(detail::conform_state(s.exp_avg_sq(), e.param));
+        if (master) {
+          s.master_param(detail::ensure_master(s.master_param(), e.param));
+        }
+        lists.add({e.param, e.grad, s.exp_avg(), s.exp_avg_sq(),
+                   master ? s.master_param() : at::Tensor()});
+      }
+      const auto view = lists.view();
+      detail::on_backend(
+          device, [&] { kernels::cpu::adam(view, args); },
+          [&](void* stream) { kernels::cuda::adam(view, args, stream); });
+    }
+    // A skipped step does not count (found_inf may hold a sum of per-device flags).
+    if (found.defined()) step.sub_(at::clamp_max(found, 1.0));
+  }
+}
+
+void FusedAdam::sync_steps_to_state() const {
+  for (size_t gi = 0; gi < param_groups_.size() && gi < steps_.size(); ++gi) {
+    if (!steps_[gi].defined()) continue;
+    const auto n = static_cast<int64_t>(steps_[gi].item<float>());
+    for (const auto& p : param_groups_[gi].params()) {
+      auto it = state_.find(p.unsafeGetTensorImpl());
+      if (it != state_.end()) static_cast<FusedAdamParamState&>(*it->second).step(n);
+    }
+  }
+}
+
+void FusedAdam::sync_steps_from_state() {
+  steps_.assign(param_groups_.size(), at::Tensor());
+  lrs_.clear();
+  for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
+    int64_t n = -1;
+    c10::Device device = c10::kCPU;
+    for (const auto& p : param_groups_[gi].params()) {
+      auto it = state_.find(p.unsafeGetTensorImpl());
+      if (it == state_.end()) continue;
+      n = std::max(n, static_cast<FusedAdamParamState&>(*it->second).step());
+      device = p.device();
+    }
+    if (n >= 0) {
+      steps_[gi] = at::full({1}, static_cast<double>(n),
+                            at::TensorOptions().dtype(at::kFloat).device(device));
+    }
+  }
+}
+
+void FusedAdam::save(torch::serialize::OutputArchive& archive) const {
+  sync_steps_to_state();
+  torch::optim::serialize<FusedAdamParamState, FusedAdamOptions>(archive, *this);
+}
+
+void FusedAdam::load(torch::serialize::InputArchive& archive) {
+  torch::optim::serialize<FusedAdamParamState, FusedAdamOptions>(archive, *this);
+  sync_steps_from_state();
+}
+
+StateDict FusedAdam::python_state_dict() const {
+  sync_steps_to_state();
+  return detail::write_python_layout(
+      *this,
+      [&](const at::Tensor& p) -> std::optional<StateDict> {
+        auto it = state_.find(p.unsafeGetTensorImpl());
+        if (it == state_.end()) return std::nullopt;
+        const auto& s = static_cast<const FusedAdamParamState&>(*it->second);
+        StateDict d = make_state_dict();
+        d.insert("step", detail::step_tensor_value(static_cast<double>(s.step())));
+        d.insert("exp_avg", s.exp_avg().cpu());
+        d.insert("exp_avg_sq", s.exp_avg_sq().cpu());
+        return d;
+      },
+      [&](size_t gi) {
+        const FusedAdamOptions& o = options_of(param_groups_[gi]);
+        StateDict g = make_state_dict();
+        g.insert("lr", o.lr());
+        g.insert("betas",
+                 c10::ivalue::Tuple::create(std::get<0>(o.betas()), std::get<1>(o.betas())));
+        g.insert("eps", o.eps());
+        g.insert("weight_decay", o.weight_decay());
+        g.insert("amsgrad", false);
+        g.insert("maximize", false);
+        g.insert("foreach", c10::IValue());
+        g.insert("capturable", false);
+        g.insert("differentiable", false);
+        g.insert("fused", c10::IValue());
+        g.insert("decoupled_weight_decay", o.adam_w_mode());
+        return g;
+      });
+}
+
+void FusedAdam::load_python_state_dict(const StateDict& layout) {
+  constexpr const char* who = "FusedAdam::load_python_state_dict";
+  // Parse into new objects first: a malformed file leaves the optimizer as it was.
+  std::vector<std::unique_ptr<FusedAdamOptions>> opts;
+  std::vector<std::pair<at::Tensor, std::unique_ptr<FusedAdamParamState>>> states;
+  detail::read_python_layout(
+      *this, layout, who,
+      [&](size_t gi, const StateDict& g) {
+        auto o = std::make_unique<FusedAdamOptions>(options_of(param_groups_[gi]));
+        o->lr(detail::number_at(g, "lr", who));
+        TORCH_CHECK(g.contains("betas") && g.at("betas").isTuple(), who,
+                    ": 'betas' must be a tuple");
+        const auto& b = g.at("betas").toTupleRef().elements();
+        TORCH_CHECK(b.size() == 2, who, ": 'betas' must have two elements, got ", b.size());
+        o->betas({b[0].toDouble(), b[1].toDouble()});
+        o->eps(detail::number_at(g, "eps", who));
+        o->weight_decay(detail::number_at(g, "weight_decay", who));
+        TORCH_CHECK(!detail::bool_or(g, "amsgrad", false), who,
+                    ": the state uses amsgrad, which FusedAdam does not support");
+        o->adam_w_mode(detail::bool_or(g, "decoupled_weight_decay", o->adam_w_mode()));
+        validate(*o);
+        opts.push_back(std::move(o));
+      },
+      [&](const at::Tensor& p, const StateDict& s) {
+        auto st = std::make_unique<FusedAdamParamState>();
+        st->step(static_cast<int64_t>(detail::number_at(s, "step", who)));
+        st->exp_avg(detail::tensor_at(s, "exp_avg", p, who));
+        st->exp_avg_sq(detail::tensor_at(s, "exp_avg_sq", p, who));
+        states.emplace_back(p, std::move(st));
+      });
+  for (size_t gi = 0; gi < opts.size(); ++gi) param_groups_[gi].set_options(std::move(opts[gi]));
+  for (auto& [p, st] : states) state_[p.unsafeGetTensorImpl()] = std::move(st);
+  sync_steps_from_state();
+}
+
+}  // namespace apex::optim

@@ -1,0 +1,191 @@
+#include "apex/optim/fused_lamb.h"
+
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
+#include <apex/optim/multi_tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/serialize/archive.h>
+
+#include <cmath>
+#include <map>
+
+#include "optim/lists.h"
+
+namespace apex::optim {
+namespace {
+
+constexpr const char* kWho = "FusedLAMB";
+
+void validate(const FusedLAMBOptions& o) {
+  TORCH_CHECK(o.lr() >= 0, "FusedLAMB: lr must be >= 0, got ", o.lr());
+  TORCH_CHECK(o.eps() >= 0, "FusedLAMB: eps must be >= 0, got ", o.eps());
+  const auto [b1, b2] = o.betas();
+  TORCH_CHECK(b1 >= 0 && b1 < 1, "FusedLAMB: betas[0] must be in [0, 1), got ", b1);
+  TORCH_CHECK(b2 >= 0 && b2 < 1, "FusedLAMB: betas[1] must be in [0, 1), got ", b2);
+  TORCH_CHECK(o.weight_decay() >= 0, "FusedLAMB: weight_decay must be >= 0, got ",
+              o.weight_decay());
+}
+
+const FusedLAMBOptions& options_of(const torch::optim::OptimizerParamGroup& g) {
+  return static_cast<const FusedLAMBOptions&>(g.options());
+}
+
+}  // namespace
+
+FusedLAMBOptions::FusedLAMBOptions(double lr) : lr_(lr) {}
+
+void FusedLAMBOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(bias_correction);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(adam_w_mode);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(grad_averaging);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(max_grad_norm);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(use_nvlamb);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(set_grad_none);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(master_weights);
+}
+
+void FusedLAMBOptions::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, bias_correction);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, adam_w_mode);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, grad_averaging);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, max_grad_norm);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, use_nvlamb);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, set_grad_none);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, master_weights);
+}
+
+void FusedLAMBParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(step);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(master_param);
+}
+
+void FusedLAMBParamState::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, step);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(at::Tensor, exp_avg);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(at::Tensor, exp_avg_sq);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(at::Tensor, master_param);
+}
+
+FusedLAMB::FusedLAMB(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                     FusedLAMBOptions defaults)
+    : FusedOptimizer(param_groups, std::make_unique<FusedLAMBOptions>(defaults)) {
+  validate(defaults);
+  for (const auto& g : param_groups_) validate(options_of(g));
+}
+
+bool FusedLAMB::set_grad_none() const {
+  return static_cast<const FusedLAMBOptions&>(defaults()).set_grad_none();
+}
+
+void FusedLAMB::fused_step(const GradScaling& scaling) {
+  for (const auto& g : param_groups_) validate(options_of(g));
+  const auto groups = collect(kWho);
+  std::map<std::pair<std::string, int>, std::vector<at::Tensor>> grads_by_key;
+  for (const auto& entries : groups) {
+    for (const auto& e : entries) {
+      grads_by_key[{e.grad.device().str(), static_cast<int>(e.grad.scalar_type())}].push_back(
+          e.grad);
+    }
+  }
+  if (grads_by_key.empty() || found_inf_on_host(scaling.found_inf)) return;
+
+  // The global norm of the unscaled gradients over every group (what clipping compares with
+  // max_grad_norm), combined on the device without a host read.
+  std::vector<at::Tensor> squares;
+  for (const auto& [key, grads] : grads_by_key) {
+    const c10::Device device = grads.front().device();
+    const at::Tensor inv = on(scaling.inv_scale, device);
+    const auto norm = std::get<0>(inv.defined() ? multi_tensor_unscale_l2norm(grads, inv)
+                                                : multi_tensor_l2norm(grads));
+    squares.push_back(norm.square());
+  }
+  const c10::Device first_device = grads_by_key.begin()->second.front().device();
+  for (auto& s : squares) s = s.to(first_device);
+  const at::Tensor global_norm = at::stack(squares).sum().sqrt().reshape({1});
+
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    if (groups[gi].empty()) continue;
+    const FusedLAMBOptions& o = options_of(param_groups_[gi]);
+    const c10::Device device = groups[gi].front().param.device();
+    const at::Tensor inv = on(scaling.inv_scale, device);
+    const at::Tensor gnorm = on(global_norm, device);
+    int64_t step = 0;
+    for (const auto& e : groups[gi]) {
+      auto it = state_.find(e.param.unsafeGetTensorImpl());
+      if (it != state_.end())
+        step = std::max(step, static_cast<FusedLAMBParamState&>(*it->second).step());
+    }
+    ++step;
+    const auto [b1, b2] = o.betas();
+    kernels::LambArgs args;
+    args.lr = static_cast<float>(o.lr());
+    args.beta1 = static_cast<float>(b1);
+    args.beta2 = static_cast<float>(b2);
+    args.beta3 = o.grad_averaging() ? static_cast<float>(1.0 - b1) : 1.0f;
+    args.eps = static_cast<float>(o.eps());
+    args.weight_decay = static_cast<float>(o.weight_decay());
+    args.bias_correction1 = o.bias_correction()
+                                ? static_cast<float>(1.0 - std::pow(b1, static_cast<double>(step)))
+                                : 1.0f;
+    args.bias_correction2 = o.bias_correction()
+                                ? static_cast<float>(1.0 - std::pow(b2, static_cast<double>(step)))
+                                : 1.0f;
+    args.adam_w_mode = o.adam_w_mode();
+    args.use_nvlamb = o.use_nvlamb();
+    args.max_grad_norm = static_cast<float>(o.max_grad_norm());
+    args.global_grad_norm = gnorm.data_ptr<float>();
+    args.amp.inv_scale = detail::scalar_ptr(inv, device, kWho, "inv_scale");
+    for (const auto& bucket : buckets(groups[gi])) {
+      const bool master = o.master_weights() && bucket.front().param.scalar_type() != at::kFloat;
+      detail::ListBuilder lists(5);
+      for (const auto& e : bucket) {
+        auto& s = state_of<FusedLAMBParamState>(e.param, [&](FusedLAMBParamState& st) {
+          st.exp_avg(detail::zeros_state(e.param));
+          st.exp_avg_sq(detail::zeros_state(e.param));
+        });
+        s.step(step);
+        s.exp_avg(detail::conform_state(s.exp_avg(), e.param));
+        s.exp_avg_sq(detail::conform_state(s.exp_avg_sq(), e.param));
+        if (master) s.master_param(detail::ensure_master(s.master_param(), e.param));
+        lists.add({e.param, e.grad, s.exp_avg(), s.exp_avg_sq(),
+                   master ? s.master_param() : at::Tensor()});
+      }
+      const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
+      const at::Tensor u_sumsq = at::zeros({lists.size()}, opts);
+      const at::Tensor p_sumsq = at::zeros({lists.size()}, opts);
+      args.u_sumsq = u_sumsq.data_ptr<float>();
+      args.p_sumsq = p_sumsq.data_ptr<float>();
+      const auto view = lists.view();
+      detail::on_backend(
+          device,
+          [&] {
+            kernels::cpu::lamb_stage1(view, args);
+            kernels::cpu::lamb_stage2(view, args);
+          },
+          [&](void* stream) {
+            kernels::cuda::lamb_stage1(view, args, stream);
+            kernels::cuda::lamb_stage2(view, args, stream);
+          });
+    }
+  }
+}
+
+void FusedLAMB::save(torch::serialize::OutputArchive& archive) const {
+  torch::optim::serialize<FusedLAMBParamState, FusedLAMBOptions>(archive, *this);
+}
+
+void FusedLAMB::load(torch::serialize::InputArchive& archive) {
+  torch::optim::serialize<FusedLAMBParamState, FusedLAMBOptions>(archive, *this);
+}
+
+}  // namespace apex::optim

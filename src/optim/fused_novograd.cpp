@@ -1,0 +1,178 @@
+#include "apex/optim/fused_novograd.h"
+
+#include <ATen/ops/stack.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+#include <apex/optim/multi_tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/serialize/archive.h>
+
+#include <cmath>
+
+#include "optim/lists.h"
+
+namespace apex::optim {
+namespace {
+
+constexpr const char* kWho = "FusedNovoGrad";
+
+void validate(const FusedNovoGradOptions& o) {
+  TORCH_CHECK(o.lr() >= 0, "FusedNovoGrad: lr must be >= 0, got ", o.lr());
+  TORCH_CHECK(o.eps() >= 0, "FusedNovoGrad: eps must be >= 0, got ", o.eps());
+  const auto [b1, b2] = o.betas();
+  TORCH_CHECK(b1 >= 0 && b1 < 1, "FusedNovoGrad: betas[0] must be in [0, 1), got ", b1);
+  TORCH_CHECK(b2 >= 0 && b2 < 1, "FusedNovoGrad: betas[1] must be in [0, 1), got ", b2);
+  TORCH_CHECK(o.weight_decay() >= 0, "FusedNovoGrad: weight_decay must be >= 0, got ",
+              o.weight_decay());
+}
+
+const FusedNovoGradOptions& options_of(const torch::optim::OptimizerParamGroup& g) {
+  return static_cast<const FusedNovoGradOptions&>(g.options());
+}
+
+}  // namespace
+
+FusedNovoGradOptions::FusedNovoGradOptions(double lr) : lr_(lr) {}
+
+void FusedNovoGradOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(bias_correction);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(reg_inside_moment);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(grad_averaging);
+  archive.write("norm_type", c10::IValue(static_cast<int64_t>(norm_type())));
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(init_zero);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(set_grad_none);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(master_weights);
+}
+
+void FusedNovoGradOptions::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, bias_correction);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, reg_inside_moment);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, grad_averaging);
+  c10::IValue norm;
+  if (archive.try_read("norm_type", norm)) norm_type(static_cast<NovoGradNorm>(norm.toInt()));
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, init_zero);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, set_grad_none);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, master_weights);
+}
+
+void FusedNovoGradParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(step);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(master_param);
+}
+
+void FusedNovoGradParamState::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, step);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(at::Tensor, exp_avg);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(at::Tensor, exp_avg_sq);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(at::Tensor, master_param);
+}
+
+FusedNovoGrad::FusedNovoGrad(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                             FusedNovoGradOptions defaults)
+    : FusedOptimizer(param_groups, std::make_unique<FusedNovoGradOptions>(defaults)) {
+  validate(defaults);
+  for (const auto& g : param_groups_) validate(options_of(g));
+}
+
+bool FusedNovoGrad::set_grad_none() const {
+  return static_cast<const FusedNovoGradOptions&>(defaults()).set_grad_none();
+}
+
+void FusedNovoGrad::fused_step(const GradScaling& scaling) {
+  for (const auto& g : param_groups_) validate(options_of(g));
+  const auto groups = collect(kWho);
+  bool any = false;
+  for (const auto& entries : groups) any = any || !entries.empty();
+  if (!any || found_inf_on_host(scaling.found_inf)) return;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    if (groups[gi].empty()) continue;
+    const FusedNovoGradOptions& o = options_of(param_groups_[gi]);
+    const c10::Device device = groups[gi].front().param.device();
+    const at::Tensor inv = on(scaling.inv_scale, device);
+    int64_t step = 0;
+    for (const auto& e : groups[gi]) {
+      auto it = state_.find(e.param.unsafeGetTensorImpl());
+      if (it != state_.end()) {
+        step = std::max(step, static_cast<FusedNovoGradParamState&>(*it->second).step());
+      }
+    }
+    ++step;
+    const auto [b1, b2] = o.betas();
+    const bool l2 = o.norm_type() == NovoGradNorm::kL2;
+    for (const auto& bucket : buckets(groups[gi])) {
+      const bool master = o.master_weights() && bucket.front().param.scalar_type() != at::kFloat;
+      std::vector<at::Tensor> grads;
+      for (const auto& e : bucket) grads.push_back(e.grad);
+      // Per-tensor norms of the unscaled gradients (norms scale linearly).
+      at::Tensor norms =
+          std::get<1>(l2 ? multi_tensor_l2norm(grads, true) : multi_tensor_max_norm(grads, true));
+      if (inv.defined()) norms = norms * inv;
+      std::vector<at::Tensor> old;
+      detail::ListBuilder lists(4);
+      for (size_t i = 0; i < bucket.size(); ++i) {
+        const auto& e = bucket[i];
+        bool is_new = false;
+        auto& s = state_of<FusedNovoGradParamState>(e.param, [&](FusedNovoGradParamState& st) {
+          st.exp_avg(detail::zeros_state(e.param));
+          is_new = true;
+        });
+        // A fresh state starts at 0 (init_zero) or at this step's norm, so that the first blend
+        // leaves it there.
+        old.push_back(is_new ? (o.init_zero() ? at::zeros({}, norms.options()) : norms[i])
+                             : s.exp_avg_sq().to(device).reshape({}));
+        s.exp_avg(detail::conform_state(s.exp_avg(), e.param));
+        if (master) s.master_param(detail::ensure_master(s.master_param(), e.param));
+        lists.add({e.param, e.grad, s.exp_avg(), master ? s.master_param() : at::Tensor()});
+      }
+      const at::Tensor v_old = at::stack(old);
+      const at::Tensor v = l2 ? (v_old.square() * b2 + norms.square() * (1.0 - b2)).sqrt()
+                              : v_old * b2 + norms * (1.0 - b2);
+      kernels::NovoGradArgs args;
+      args.lr = static_cast<float>(o.lr());
+      args.beta1 = static_cast<float>(b1);
+      args.beta3 = o.grad_averaging() ? static_cast<float>(1.0 - b1) : 1.0f;
+      args.eps = static_cast<float>(o.eps());
+      args.weight_decay = static_cast<float>(o.weight_decay());
+      args.bias_correction1 =
+          o.bias_correction() ? static_cast<float>(1.0 - std::pow(b1, static_cast<double>(step)))
+                              : 1.0f;
+      args.bias_correction2 =
+          o.bias_correction()
+              ? static_cast<float>(std::sqrt(1.0 - std::pow(b2, static_cast<double>(step))))
+              : 1.0f;
+      args.reg_inside_moment = o.reg_inside_moment();
+      args.v = v.data_ptr<float>();
+      args.amp.inv_scale = detail::scalar_ptr(inv, device, kWho, "inv_scale");
+      const auto view = lists.view();
+      detail::on_backend(
+          device, [&] { kernels::cpu::novograd(view, args); },
+          [&](void* stream) { kernels::cuda::novograd(view, args, stream); });
+      for (size_t i = 0; i < bucket.size(); ++i) {
+        auto& s = static_cast<FusedNovoGradParamState&>(
+            *state_.at(bucket[i].param.unsafeGetTensorImpl()));
+        s.step(step);
+        s.exp_avg_sq(v[static_cast<int64_t>(i)].clone());
+      }
+    }
+  }
+}
+
+void FusedNovoGrad::save(torch::serialize::OutputArchive& archive) const {
+  torch::optim::serialize<FusedNovoGradParamState, FusedNovoGradOptions>(archive, *this);
+}
+
+void FusedNovoGrad::load(torch::serialize::InputArchive& archive) {
+  torch::optim::serialize<FusedNovoGradParamState, FusedNovoGradOptions>(archive, *this);
+}
+
+}  // namespace apex::optim

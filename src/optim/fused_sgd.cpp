@@ -1,0 +1,199 @@
+#include "apex/optim/fused_sgd.h"
+
+#include <c10/util/Exception.h>
+#include <torch/serialize/archive.h>
+
+#include "optim/lists.h"
+#include "optim/python_state.h"
+
+namespace apex::optim {
+namespace {
+
+constexpr const char* kWho = "FusedSGD";
+
+void validate(const FusedSGDOptions& o) {
+  TORCH_CHECK(o.lr() >= 0, "FusedSGD: lr must be >= 0, got ", o.lr());
+  TORCH_CHECK(o.momentum() >= 0, "FusedSGD: momentum must be >= 0, got ", o.momentum());
+  TORCH_CHECK(o.weight_decay() >= 0, "FusedSGD: weight_decay must be >= 0, got ", o.weight_decay());
+  TORCH_CHECK(!o.nesterov() || (o.momentum() > 0 && o.dampening() == 0),
+              "FusedSGD: nesterov requires momentum > 0 and dampening = 0, got momentum ",
+              o.momentum(), " and dampening ", o.dampening());
+}
+
+const FusedSGDOptions& options_of(const torch::optim::OptimizerParamGroup& g) {
+  return static_cast<const FusedSGDOptions&>(g.options());
+}
+
+}  // namespace
+
+FusedSGDOptions::FusedSGDOptions(double lr) : lr_(lr) {}
+
+void FusedSGDOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(dampening);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(nesterov);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(wd_after_momentum);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(set_grad_none);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(master_weights);
+}
+
+void FusedSGDOptions::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, momentum);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, dampening);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, nesterov);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, wd_after_momentum);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, set_grad_none);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, master_weights);
+}
+
+void FusedSGDParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum_buffer);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(master_param);
+}
+
+void FusedSGDParamState::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(at::Tensor, momentum_buffer);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(at::Tensor, master_param);
+}
+
+FusedSGD::FusedSGD(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                   FusedSGDOptions defaults)
+    : FusedOptimizer(param_groups, std::make_unique<FusedSGDOptions>(defaults)) {
+  validate(defaults);
+  for (const auto& g : param_groups_) validate(options_of(g));
+}
+
+bool FusedSGD::set_grad_none() const {
+  return static_cast<const FusedSGDOptions&>(defaults()).set_grad_none();
+}
+
+void FusedSGD::fused_step(const GradScaling& scaling) {
+  for (const auto& g : param_groups_) validate(options_of(g));
+  const auto groups = collect(kWho);
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    if (groups[gi].empty()) continue;
+    const FusedSGDOptions& o = options_of(param_groups_[gi]);
+    const c10::Device device = groups[gi].front().param.device();
+    const at::Tensor inv = on(scaling.inv_scale, device);
+    const at::Tensor found = on(scaling.found_inf, device);
+    const bool with_momentum = o.momentum() != 0;
+    for (const auto& bucket : buckets(groups[gi])) {
+      const bool master = o.master_weights() && bucket.front().param.scalar_type() != at::kFloat;
+      // Parameters whose momentum buffer is not seeded yet form their own call (first_run).
+      std::vector<Entry> fresh;
+      std::vector<Entry> running;
+      for (const auto& e : bucket) {
+        auto& s = state_of<FusedSGDParamState>(e.param, [](FusedSGDParamState&) {});
+        (with_momentum && !s.momentum_buffer().defined() ? fresh : running).push_back(e);
+      }
+      for (const bool first : {true, false}) {
+        detail::ListBuilder lists(4);
+        std::vector<FusedSGDParamState*> seeded;
+        for (const auto& e : first ? fresh : running) {
+          auto& s = state_of<FusedSGDParamState>(e.param, [](FusedSGDParamState&) {});
+          if (master) s.master_param(detail::ensure_master(s.master_param(), e.param));
+          if (with_momentum) {
+            s.momentum_buffer(first ? detail::zeros_state(e.param)
+                                    : detail::conform_state(s.momentum_buffer(), e.param));
+          }
+          if (first) seeded.push_back(&s);
+          lists.add(
+              {e.param, e.grad, s.momentum_buffer(), master ? s.master_param() : at::Tensor()});
+        }
+        if (lists.size() == 0) continue;
+        kernels::SgdArgs args;
+        args.lr = static_cast<float>(o.lr());
+        args.momentum = static_cast<float>(o.momentum());
+        args.dampening = static_cast<float>(o.dampening());
+        args.weight_decay = static_cast<float>(o.weight_decay());
+        args.nesterov = o.nesterov();
+        args.wd_after_momentum = o.wd_after_momentum();
+        args.first_run = first && with_momentum;
+        args.amp.inv_scale = detail::scalar_ptr(inv, device, kWho, "inv_scale");
+        if (args.first_run && found.defined()) {
+          // Seeding must not happen on a skipped step: the one host read of this optimizer.
+          if (found_inf_on_host(found)) {
+            for (auto* s : seeded) s->momentum_buffer(at::Tensor());
+            continue;
+          }
+        } else {
+          args.amp.found_inf = detail::scalar_ptr(found, device, kWho, "found_inf");
+        }
+        const auto view = lists.view();
+        detail::on_backend(
+            device, [&] { kernels::cpu::sgd(view, args); },
+            [&](void* stream) { kernels::cuda::sgd(view, args, stream); });
+      }
+    }
+  }
+}
+
+void FusedSGD::save(torch::serialize::OutputArchive& archive) const {
+  torch::optim::serialize<FusedSGDParamState, FusedSGDOptions>(archive, *this);
+}
+
+void FusedSGD::load(torch::serialize::InputArchive& archive) {
+  torch::optim::serialize<FusedSGDParamState, FusedSGDOptions>(archive, *this);
+}
+
+StateDict FusedSGD::python_state_dict() const {
+  return detail::write_python_layout(
+      *this,
+      [&](const at::Tensor& p) -> std::optional<StateDict> {
+        auto it = state_.find(p.unsafeGetTensorImpl());
+        if (it == state_.end()) return std::nullopt;
+        const auto& s = static_cast<const FusedSGDParamState&>(*it->second);
+        StateDict d = make_state_dict();
+        d.insert("momentum_buffer", s.momentum_buffer().defined()
+                                        ? c10::IValue(s.momentum_buffer().cpu())
+                                        : c10::IValue());
+        return d;
+      },
+      [&](size_t gi) {
+        const FusedSGDOptions& o = options_of(param_groups_[gi]);
+        StateDict g = make_state_dict();
+        g.insert("lr", o.lr());
+        g.insert("momentum", o.momentum());
+        g.insert("dampening", o.dampening());
+        g.insert("weight_decay", o.weight_decay());
+        g.insert("nesterov", o.nesterov());
+        g.insert("maximize", false);
+        g.insert("foreach", c10::IValue());
+        g.insert("differentiable", false);
+        g.insert("fused", c10::IValue());
+        return g;
+      });
+}
+
+void FusedSGD::load_python_state_dict(const StateDict& layout) {
+  constexpr const char* who = "FusedSGD::load_python_state_dict";
+  std::vector<std::unique_ptr<FusedSGDOptions>> opts;
+  std::vector<std::pair<at::Tensor, std::unique_ptr<FusedSGDParamState>>> states;
+  detail::read_python_layout(
+      *this, layout, who,
+      [&](size_t gi, const StateDict& g) {
+        auto o = std::make_unique<FusedSGDOptions>(options_of(param_groups_[gi]));
+        o->lr(detail::number_at(g, "lr", who));
+        o->momentum(detail::number_or(g, "momentum", 0.0, who));
+        o->dampening(detail::number_or(g, "dampening", 0.0, who));
+        o->weight_decay(detail::number_or(g, "weight_decay", 0.0, who));
+        o->nesterov(detail::bool_or(g, "nesterov", false));
+        validate(*o);
+        opts.push_back(std::move(o));
+      },
+      [&](const at::Tensor& p, const StateDict& s) {
+        auto st = std::make_unique<FusedSGDParamState>();
+        if (s.contains("momentum_buffer") && s.at("momentum_buffer").isTensor()) {
+          st->momentum_buffer(detail::tensor_at(s, "momentum_buffer", p, who));
+        }
+        states.emplace_back(p, std::move(st));
+      });
+  for (size_t gi = 0; gi < opts.size(); ++gi) param_groups_[gi].set_options(std::move(opts[gi]));
+  for (auto& [p, st] : states) state_[p.unsafeGetTensorImpl()] = std::move(st);
+}
+
+}  // namespace apex::optim

@@ -1,0 +1,134 @@
+#include "optim/lists.h"
+
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/Exception.h>
+
+#ifdef APEX_HAS_CUDA_BACKEND
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace apex::optim::detail {
+
+kernels::DType kernel_dtype(const at::Tensor& t, const char* who) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return kernels::DType::kFloat32;
+    case at::kHalf:
+      return kernels::DType::kFloat16;
+    case at::kBFloat16:
+      return kernels::DType::kBFloat16;
+    default:
+      TORCH_CHECK(false, who, ": expected float32, float16 or bfloat16 tensors, got ",
+                  t.scalar_type());
+  }
+}
+
+void ListBuilder::add(std::initializer_list<at::Tensor> row) {
+  TORCH_INTERNAL_ASSERT(static_cast<int>(row.size()) == num_lists_);
+  const bool first = numel_.empty();
+  int l = 0;
+  for (const at::Tensor& t : row) {
+    if (first) present_[l] = t.defined();
+    TORCH_INTERNAL_ASSERT(present_[l] == t.defined(), "list ", l, " is partly absent");
+    if (t.defined()) {
+      const kernels::DType d = kernel_dtype(t, "multi-tensor apply");
+      if (first) dtype_[l] = d;
+      TORCH_INTERNAL_ASSERT(dtype_[l] == d, "mixed dtypes in list ", l);
+      ptrs_[l].push_back(t.data_ptr());
+    }
+    ++l;
+  }
+  numel_.push_back(row.begin()->numel());
+}
+
+kernels::TensorLists ListBuilder::view() const {
+  kernels::TensorLists v;
+  v.num_tensors = static_cast<int64_t>(numel_.size());
+  v.numel = numel_.data();
+  for (int l = 0; l < num_lists_; ++l) {
+    v.ptrs[l] = present_[l] ? ptrs_[l].data() : nullptr;
+    v.dtype[l] = dtype_[l];
+  }
+  return v;
+}
+
+void check_list(const std::vector<at::Tensor>& list, const char* who, const char* arg) {
+  TORCH_CHECK(!list.empty(), who, ": ", arg, " must not be empty");
+  const at::Tensor& first = list.front();
+  for (size_t i = 0; i < list.size(); ++i) {
+    const at::Tensor& t = list[i];
+    TORCH_CHECK(t.defined(), who, ": ", arg, "[", i, "] is undefined");
+    TORCH_CHECK(t.layout() == at::kStrided, who, ": ", arg, "[", i,
+                "] must be a dense (strided) tensor, got layout ", t.layout());
+    TORCH_CHECK(t.device() == first.device(), who, ": all tensors of ", arg,
+                " must be on one device, got ", first.device(), " at index 0 and ", t.device(),
+                " at index ", i);
+    TORCH_CHECK(t.scalar_type() == first.scalar_type(), who, ": all tensors of ", arg,
+                " must have one dtype, got ", first.scalar_type(), " at index 0 and ",
+                t.scalar_type(), " at index ", i);
+    TORCH_CHECK(t.is_non_overlapping_and_dense(), who, ": ", arg, "[", i,
+                "] must be contiguous (non-overlapping and dense)");
+    kernel_dtype(t, who);
+  }
+}
+
+void check_matching(const std::vector<at::Tensor>& ref, const std::vector<at::Tensor>& other,
+                    const char* who, const char* ref_name, const char* other_name) {
+  TORCH_CHECK(ref.size() == other.size(), who, ": ", ref_name, " and ", other_name,
+              " must have the same length, got ", ref.size(), " and ", other.size());
+  for (size_t i = 0; i < ref.size(); ++i) {
+    TORCH_CHECK(ref[i].sizes() == other[i].sizes(), who, ": ", other_name, "[", i, "] has shape ",
+                other[i].sizes(), " but ", ref_name, "[", i, "] has shape ", ref[i].sizes());
+    TORCH_CHECK(ref[i].strides() == other[i].strides(), who, ": ", other_name, "[", i,
+                "] has strides ", other[i].strides(), " but ", ref_name, "[", i, "] has strides ",
+                ref[i].strides());
+    TORCH_CHECK(ref[i].device() == other[i].device(), who, ": ", other_name, "[", i, "] is on ",
+                other[i].device(), " but ", ref_name, "[", i, "] is on ", ref[i].device());
+  }
+}
+
+float* scalar_ptr(const at::Tensor& t, c10::Device device, const char* who, const char* name) {
+  if (!t.defined()) return nullptr;
+  TORCH_CHECK(t.numel() == 1 && t.scalar_type() == at::kFloat, who, ": ", name,
+              " must be a one-element float32 tensor, got ", t.scalar_type(), " with ", t.numel(),
+              " elements");
+  TORCH_CHECK(t.device() == device, who, ": ", name, " must be on ", device, ", got ", t.device());
+  return t.data_ptr<float>();
+}
+
+at::Tensor zeros_state(const at::Tensor& param) {
+  return at::zeros_like(param, param.options().dtype(at::kFloat));
+}
+
+at::Tensor conform_state(const at::Tensor& t, const at::Tensor& param) {
+  if (t.scalar_type() == at::kFloat && t.device() == param.device() &&
+      t.strides() == param.strides() && t.sizes() == param.sizes()) {
+    return t;
+  }
+  return at::empty_like(param, param.options().dtype(at::kFloat)).copy_(t);
+}
+
+at::Tensor master_copy(const at::Tensor& param) {
+  return at::empty_like(param, param.options().dtype(at::kFloat)).copy_(param);
+}
+
+bool backend_available(c10::Device device) {
+#ifdef APEX_HAS_CUDA_BACKEND
+  return device.is_cpu() || device.is_cuda();
+#else
+  return device.is_cpu();
+#endif
+}
+
+void* cuda_stream(c10::Device device) {
+#ifdef APEX_HAS_CUDA_BACKEND
+  TORCH_CHECK(device.is_cuda(), "apex-cpp kernels run on CPU or CUDA tensors, got ", device);
+  return c10::cuda::getCurrentCUDAStream(device.index()).stream();
+#else
+  TORCH_CHECK(false, "apex-cpp kernels run on CPU tensors in this build (it was built without ",
+              "CUDA kernels or against a CPU-only torch), got a tensor on ", device);
+#endif
+}
+
+}  // namespace apex::optim::detail

@@ -1,0 +1,223 @@
+// apex-bench optim: one optimizer step over parameter lists shaped like ResNet-50 and BERT-base,
+// ours against LibTorch's C++ optimizers and ATen's fused kernels, in the same run.
+#include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/_fused_sgd.h>
+#include <apex/optim.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+#include <torch/types.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "bench_common.h"
+
+namespace apex::bench {
+namespace {
+
+using Shapes = std::vector<std::vector<int64_t>>;
+
+// ResNet-50 (torchvision layout): 161 tensors, 25.56M parameters.
+Shapes resnet50() {
+  Shapes s = {{64, 3, 7, 7}, {64}, {64}};
+  int64_t in = 64;
+  const int blocks[] = {3, 4, 6, 3};
+  for (int layer = 0; layer < 4; ++layer) {
+    const int64_t w = 64LL << layer;
+    for (int b = 0; b < blocks[layer]; ++b) {
+      s.push_back({w, in, 1, 1});
+      s.push_back({w});
+      s.push_back({w});
+      s.push_back({w, w, 3, 3});
+      s.push_back({w});
+      s.push_back({w});
+      s.push_back({4 * w, w, 1, 1});
+      s.push_back({4 * w});
+      s.push_back({4 * w});
+      if (b == 0) {
+        s.push_back({4 * w, in, 1, 1});
+        s.push_back({4 * w});
+        s.push_back({4 * w});
+      }
+      in = 4 * w;
+    }
+  }
+  s.push_back({1000, 2048});
+  s.push_back({1000});
+  return s;
+}
+
+// BERT-base (uncased) with its pooler: 199 tensors, 109.5M parameters.
+Shapes bert_base() {
+  const int64_t h = 768;
+  Shapes s = {{30522, h}, {512, h}, {2, h}, {h}, {h}};
+  for (int l = 0; l < 12; ++l) {
+    for (int k = 0; k < 4; ++k) {  // query, key, value, attention output
+      s.push_back({h, h});
+      s.push_back({h});
+    }
+    s.push_back({h});
+    s.push_back({h});
+    s.push_back({4 * h, h});
+    s.push_back({4 * h});
+    s.push_back({h, 4 * h});
+    s.push_back({h});
+    s.push_back({h});
+    s.push_back({h});
+  }
+  s.push_back({h, h});
+  s.push_back({h});
+  return s;
+}
+
+int64_t numel(const Shapes& shapes) {
+  int64_t n = 0;
+  for (const auto& s : shapes) {
+    int64_t k = 1;
+    for (int64_t d : s) k *= d;
+    n += k;
+  }
+  return n;
+}
+
+// Parameters with random gradients (never all-zero data), on cfg.device.
+std::vector<at::Tensor> make_params(const Config& cfg, const Shapes& shapes) {
+  std::vector<at::Tensor> out;
+  const auto opts = torch::TensorOptions().device(cfg.device);
+  for (const auto& s : shapes) {
+    auto p = torch::randn(s, opts).mul_(0.05).set_requires_grad(true);
+    p.mutable_grad() = torch::randn(s, opts).mul_(1e-3);
+    out.push_back(p);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> grads_of(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> g;
+  for (const auto& p : params) g.push_back(p.grad());
+  return g;
+}
+
+std::vector<at::Tensor> zeros_like_all(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) out.push_back(torch::zeros_like(p));
+  return out;
+}
+
+// LAMB as a LibTorch user writes it without a fused kernel: ATen ops per parameter.
+struct OpsLamb {
+  std::vector<at::Tensor> params, m, v;
+  int64_t step = 0;
+  void operator()() {
+    const at::NoGradGuard ng;
+    ++step;
+    const double b1 = 0.9, b2 = 0.999, eps = 1e-6, wd = 0.01, lr = 1e-3;
+    std::vector<at::Tensor> norms;
+    for (const auto& p : params) norms.push_back(p.grad().norm());
+    const at::Tensor gnorm = torch::stack(norms).norm();
+    const at::Tensor clip = torch::clamp_min(gnorm / 1.0, 1.0);
+    const double bc1 = 1 - std::pow(b1, static_cast<double>(step));
+    const double bc2 = 1 - std::pow(b2, static_cast<double>(step));
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor g = params[i].grad() / clip;
+      m[i].mul_(b1).add_(g, 1 - b1);
+      v[i].mul_(b2).addcmul_(g, g, 1 - b2);
+      const at::Tensor u = (m[i] / bc1) / ((v[i] / bc2).sqrt() + eps) + wd * params[i];
+      const at::Tensor ratio = params[i].norm() / u.norm();
+      params[i].sub_(u * (lr * ratio));
+    }
+  }
+};
+
+void bench_model(const Config& cfg, const std::string& name, const Shapes& shapes,
+                 std::vector<Row>& rows) {
+  const auto n = static_cast<double>(numel(shapes));
+  std::printf("%s: %zu tensors, %.2fM parameters\n", name.c_str(), shapes.size(), n / 1e6);
+  std::fflush(stdout);
+
+  // Adam(W), fp32: 28 bytes per parameter (read p, g, m, v; write p, m, v).
+  double ours_adam = 0;
+  {
+    auto params = make_params(cfg, shapes);
+    apex::optim::FusedAdam opt(params, apex::optim::FusedAdamOptions(1e-3).weight_decay(0.01));
+    ours_adam = median_ms(cfg, [&] { opt.step(); });
+  }
+  {
+    auto params = make_params(cfg, shapes);
+    torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+    const double peer = median_ms(cfg, [&] { opt.step(); });
+    rows.push_back({name, "FusedAdam vs torch::optim::AdamW", ours_adam, peer, 28 * n, {}});
+  }
+  {
+    auto params = make_params(cfg, shapes);
+    auto grads = grads_of(params);
+    auto m = zeros_like_all(params);
+    auto v = zeros_like_all(params);
+    std::vector<at::Tensor> steps;
+    for (size_t i = 0; i < params.size(); ++i) {
+      steps.push_back(torch::zeros({}, torch::TensorOptions().device(cfg.device)));
+    }
+    std::vector<at::Tensor> data;
+    for (const auto& p : params) data.push_back(p.detach());
+    // As Python's Adam(fused=True) calls it: bump the float step tensors, then the kernel.
+    const double peer = median_ms(cfg, [&] {
+      at::_foreach_add_(steps, 1);
+      at::_fused_adamw_(data, grads, m, v, {}, steps, 1e-3, 0.9, 0.999, 0.01, 1e-8, false, false);
+    });
+    rows.push_back({name, "FusedAdam vs at::_fused_adamw_", ours_adam, peer, 28 * n, {}});
+  }
+
+  // SGD with momentum, fp32: 20 bytes per parameter (read p, g, buf; write p, buf).
+  double ours_sgd = 0;
+  {
+    auto params = make_params(cfg, shapes);
+    apex::optim::FusedSGD opt(params, apex::optim::FusedSGDOptions(0.1).momentum(0.9));
+    ours_sgd = median_ms(cfg, [&] { opt.step(); });
+  }
+  {
+    auto params = make_params(cfg, shapes);
+    torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1).momentum(0.9));
+    const double peer = median_ms(cfg, [&] { opt.step(); });
+    rows.push_back({name, "FusedSGD vs torch::optim::SGD", ours_sgd, peer, 20 * n, {}});
+  }
+  {
+    auto params = make_params(cfg, shapes);
+    auto grads = grads_of(params);
+    auto bufs = zeros_like_all(params);
+    std::vector<at::Tensor> data;
+    for (const auto& p : params) data.push_back(p.detach());
+    bool first = true;
+    const double peer = median_ms(cfg, [&] {
+      at::_fused_sgd_(data, grads, bufs, 0.0, 0.9, 0.1, 0.0, false, false, first);
+      first = false;
+    });
+    rows.push_back({name, "FusedSGD vs at::_fused_sgd_", ours_sgd, peer, 20 * n, {}});
+  }
+
+  // LAMB: grad norm (read g) + stage 1 (read p, g, m, v; write m, v) + stage 2 (read p, m, v;
+  // write p) = 44 bytes per parameter.
+  {
+    auto params = make_params(cfg, shapes);
+    apex::optim::FusedLAMB opt(params);
+    const double ours = median_ms(cfg, [&] { opt.step(); });
+    auto peer_params = make_params(cfg, shapes);
+    OpsLamb lamb{peer_params, zeros_like_all(peer_params), zeros_like_all(peer_params)};
+    const double peer = median_ms(cfg, [&] { lamb(); });
+    rows.push_back({name, "FusedLAMB vs LAMB in ATen ops", ours, peer, 44 * n, {}});
+  }
+}
+
+}  // namespace
+
+int run_optim(const Config& cfg) {
+  std::vector<Row> rows;
+  // The limit is measured over as many elements as BERT-base has (far beyond the caches).
+  const double stream = streaming_limit_gbs(cfg, numel(bert_base()));
+  if (selected(cfg, "resnet50")) bench_model(cfg, "resnet50", resnet50(), rows);
+  if (selected(cfg, "bert")) bench_model(cfg, "bert", bert_base(), rows);
+  report(cfg, "optim", stream, rows);
+  return 0;
+}
+
+}  // namespace apex::bench

@@ -1,0 +1,88 @@
+// apex-bench <area> [options]: benchmarks of apex-cpp against its LibTorch peers.
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "bench_common.h"
+
+namespace {
+
+void usage(std::FILE* out) {
+  std::fprintf(
+      out,
+      "usage: apex-bench <area> [options]\n"
+      "areas:\n"
+      "  optim     FusedAdam, FusedSGD, FusedLAMB on ResNet-50 / BERT-base parameter "
+      "lists\n"
+      "options:\n"
+      "  --device cpu|cuda   where to run (default cpu)\n"
+      "  --threads N         intra-op threads (default: LibTorch's)\n"
+      "  --repeats N         timed runs per case, the median is reported (default 10)\n"
+      "  --warmup N          untimed runs first (default 2)\n"
+      "  --only NAME         only this model (resnet50, bert); repeatable\n"
+      "  --json FILE         where to write the results (default apex-bench-<area>.json)\n");
+}
+
+int parse_int(const std::string& flag, const char* v) {
+  try {
+    size_t pos = 0;
+    const int n = std::stoi(v, &pos);
+    if (pos == std::strlen(v) && n >= 0) return n;
+  } catch (const std::exception&) {
+  }
+  std::fprintf(stderr, "apex-bench: %s expects a non-negative integer, got '%s'\n", flag.c_str(),
+               v);
+  std::exit(2);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
+    usage(argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string area = argv[1];
+  apex::bench::Config cfg;
+  cfg.json = "apex-bench-" + area + ".json";
+  for (int i = 2; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "apex-bench: %s needs a value\n", flag.c_str());
+      return 2;
+    }
+    const char* value = argv[++i];
+    if (flag == "--device") {
+      if (std::strcmp(value, "cpu") != 0 && std::strcmp(value, "cuda") != 0) {
+        std::fprintf(stderr, "apex-bench: --device must be cpu or cuda, got '%s'\n", value);
+        return 2;
+      }
+      cfg.device = c10::Device(value);
+    } else if (flag == "--threads") {
+      cfg.threads = parse_int(flag, value);
+    } else if (flag == "--repeats") {
+      cfg.repeats = std::max(1, parse_int(flag, value));
+    } else if (flag == "--warmup") {
+      cfg.warmup = parse_int(flag, value);
+    } else if (flag == "--only") {
+      cfg.only.emplace_back(value);
+    } else if (flag == "--json") {
+      cfg.json = value;
+    } else {
+      std::fprintf(stderr, "apex-bench: unknown option '%s' (see --help)\n", flag.c_str());
+      return 2;
+    }
+  }
+  if (cfg.threads > 0) at::set_num_threads(cfg.threads);
+  try {
+    if (area == "optim") return apex::bench::run_optim(cfg);
+    std::fprintf(stderr, "apex-bench: unknown area '%s' (see --help)\n", area.c_str());
+    return 2;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "apex-bench: %s\n", e.what_without_backtrace());
+    return 1;
+  }
+}
