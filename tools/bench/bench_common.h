@@ -22,9 +22,12 @@ struct Config {
   std::vector<std::string> only;  // model / case filter, empty = all
 };
 
-/// Median wall time of `fn` in milliseconds over cfg.repeats runs after cfg.warmup runs. On
-/// CUDA the device is synchronized around each run.
-double median_ms(const Config& cfg, const std::function<void()>& fn);
+/// Medians (ms) of several functions over cfg.repeats runs after cfg.warmup runs (on CUDA the
+/// device is synchronized around each run), measured in alternation (run 1 of each, then run 2
+/// of each, ...), so that all of them see the same machine state. This matters on shared machines,
+/// whose memory bandwidth was seen to drift by 1.5x between runs a minute apart.
+std::vector<double> interleaved_ms(const Config& cfg,
+                                   const std::vector<std::function<void()>>& fns);
 
 /// One table row: our time, the peer's, bytes moved by ours.
 struct Row {
@@ -36,15 +39,23 @@ struct Row {
   std::map<std::string, double> extra;  // more numbers for the JSON record
 };
 
-/// Measured streaming bandwidth (GB/s) of a vectorized in-place loop with the traffic shape of
-/// fp32 Adam (read 4 arrays, write 3 of them back) over `n` elements per array; on CUDA a
-/// device-to-device copy of n*4*4 bytes (read + write counted).
-double streaming_limit_gbs(const Config& cfg, int64_t n);
+/// The machine's streaming limit: a vectorized in-place loop with the traffic shape of fp32 Adam
+/// (read 4 arrays, write 3 of them back) over `n` elements per array, 28*n bytes per run; on CUDA
+/// a device-to-device copy of 16*n bytes (read + write counted, 32*n bytes per run).
+struct StreamLoop {
+  StreamLoop(const Config& cfg, int64_t n);
+  void operator()();
+  double bytes() const;
 
-/// Prints the table and writes the JSON file: {"area", "device", "threads", "isa",
-/// "stream_gbs", "rows": [...]}.
-void report(const Config& cfg, const std::string& area, double stream_gbs,
-            const std::vector<Row>& rows);
+ private:
+  Config cfg_;
+  int64_t n_;
+  at::Tensor p_, g_, m_, v_;
+};
+
+/// Prints the table and writes the JSON file: {"area", "device", "threads", "cpu_isa",
+/// "rows": [...]}. Each row's limit is its extra["stream_gbs"], measured alongside it.
+void report(const Config& cfg, const std::string& area, const std::vector<Row>& rows);
 
 /// True when `name` passes cfg.only.
 bool selected(const Config& cfg, const std::string& name);

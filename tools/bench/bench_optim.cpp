@@ -130,81 +130,80 @@ struct OpsLamb {
   }
 };
 
+// ATen's fused Adam(W) as Python's Adam(fused=True) calls it: bump the float step tensors, then
+// the kernel.
+struct AtenAdamW {
+  std::vector<at::Tensor> params, grads, m, v, steps;
+  void operator()() {
+    at::_foreach_add_(steps, 1);
+    at::_fused_adamw_(params, grads, m, v, {}, steps, 1e-3, 0.9, 0.999, 0.01, 1e-8, false, false);
+  }
+};
+
+std::vector<at::Tensor> detached(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) out.push_back(p.detach());
+  return out;
+}
+
 void bench_model(const Config& cfg, const std::string& name, const Shapes& shapes,
                  std::vector<Row>& rows) {
-  const auto n = static_cast<double>(numel(shapes));
+  const int64_t count = numel(shapes);
+  const auto n = static_cast<double>(count);
   std::printf("%s: %zu tensors, %.2fM parameters\n", name.c_str(), shapes.size(), n / 1e6);
   std::fflush(stdout);
-
-  // Adam(W), fp32: 28 bytes per parameter (read p, g, m, v; write p, m, v).
-  double ours_adam = 0;
-  {
-    auto params = make_params(cfg, shapes);
-    apex::optim::FusedAdam opt(params, apex::optim::FusedAdamOptions(1e-3).weight_decay(0.01));
-    ours_adam = median_ms(cfg, [&] { opt.step(); });
-  }
-  {
-    auto params = make_params(cfg, shapes);
-    torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
-    const double peer = median_ms(cfg, [&] { opt.step(); });
-    rows.push_back({name, "FusedAdam vs torch::optim::AdamW", ours_adam, peer, 28 * n, {}});
-  }
-  {
-    auto params = make_params(cfg, shapes);
-    auto grads = grads_of(params);
-    auto m = zeros_like_all(params);
-    auto v = zeros_like_all(params);
-    std::vector<at::Tensor> steps;
-    for (size_t i = 0; i < params.size(); ++i) {
-      steps.push_back(torch::zeros({}, torch::TensorOptions().device(cfg.device)));
+  StreamLoop stream(cfg, count);
+  auto add_rows = [&](const std::string& ours_name, double bytes, const std::vector<double>& ms,
+                      const std::vector<std::string>& peers) {
+    const double limit = stream.bytes() / (ms.back() * 1e6);
+    for (size_t k = 0; k < peers.size(); ++k) {
+      Row r{name, ours_name + " vs " + peers[k], ms[0], ms[k + 1], bytes, {}};
+      r.extra["stream_gbs"] = limit;
+      rows.push_back(r);
     }
-    std::vector<at::Tensor> data;
-    for (const auto& p : params) data.push_back(p.detach());
-    // As Python's Adam(fused=True) calls it: bump the float step tensors, then the kernel.
-    const double peer = median_ms(cfg, [&] {
-      at::_foreach_add_(steps, 1);
-      at::_fused_adamw_(data, grads, m, v, {}, steps, 1e-3, 0.9, 0.999, 0.01, 1e-8, false, false);
-    });
-    rows.push_back({name, "FusedAdam vs at::_fused_adamw_", ours_adam, peer, 28 * n, {}});
-  }
+  };
 
-  // SGD with momentum, fp32: 20 bytes per parameter (read p, g, buf; write p, buf).
-  double ours_sgd = 0;
-  {
-    auto params = make_params(cfg, shapes);
-    apex::optim::FusedSGD opt(params, apex::optim::FusedSGDOptions(0.1).momentum(0.9));
-    ours_sgd = median_ms(cfg, [&] { opt.step(); });
+  {  // Adam(W), fp32: 28 bytes per parameter (read p, g, m, v; write p, m, v).
+    auto p1 = make_params(cfg, shapes);
+    apex::optim::FusedAdam ours(p1, apex::optim::FusedAdamOptions(1e-3).weight_decay(0.01));
+    auto p2 = make_params(cfg, shapes);
+    torch::optim::AdamW peer(p2, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+    auto p3 = make_params(cfg, shapes);
+    AtenAdamW aten{detached(p3), grads_of(p3), zeros_like_all(p3), zeros_like_all(p3), {}};
+    for (size_t i = 0; i < p3.size(); ++i) {
+      aten.steps.push_back(torch::zeros({}, torch::TensorOptions().device(cfg.device)));
+    }
+    const auto ms = interleaved_ms(
+        cfg, {[&] { ours.step(); }, [&] { peer.step(); }, [&] { aten(); }, [&] { stream(); }});
+    add_rows("FusedAdam", 28 * n, ms, {"torch::optim::AdamW", "at::_fused_adamw_"});
   }
-  {
-    auto params = make_params(cfg, shapes);
-    torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1).momentum(0.9));
-    const double peer = median_ms(cfg, [&] { opt.step(); });
-    rows.push_back({name, "FusedSGD vs torch::optim::SGD", ours_sgd, peer, 20 * n, {}});
-  }
-  {
-    auto params = make_params(cfg, shapes);
-    auto grads = grads_of(params);
-    auto bufs = zeros_like_all(params);
-    std::vector<at::Tensor> data;
-    for (const auto& p : params) data.push_back(p.detach());
+  {  // SGD with momentum, fp32: 20 bytes per parameter (read p, g, buf; write p, buf).
+    auto p1 = make_params(cfg, shapes);
+    apex::optim::FusedSGD ours(p1, apex::optim::FusedSGDOptions(0.1).momentum(0.9));
+    auto p2 = make_params(cfg, shapes);
+    torch::optim::SGD peer(p2, torch::optim::SGDOptions(0.1).momentum(0.9));
+    auto p3 = make_params(cfg, shapes);
+    auto data = detached(p3);
+    auto grads = grads_of(p3);
+    auto bufs = zeros_like_all(p3);
     bool first = true;
-    const double peer = median_ms(cfg, [&] {
-      at::_fused_sgd_(data, grads, bufs, 0.0, 0.9, 0.1, 0.0, false, false, first);
-      first = false;
-    });
-    rows.push_back({name, "FusedSGD vs at::_fused_sgd_", ours_sgd, peer, 20 * n, {}});
+    const auto ms = interleaved_ms(cfg, {[&] { ours.step(); }, [&] { peer.step(); },
+                                         [&] {
+                                           at::_fused_sgd_(data, grads, bufs, 0.0, 0.9, 0.1, 0.0,
+                                                           false, false, first);
+                                           first = false;
+                                         },
+                                         [&] { stream(); }});
+    add_rows("FusedSGD", 20 * n, ms, {"torch::optim::SGD", "at::_fused_sgd_"});
   }
-
-  // LAMB: grad norm (read g) + stage 1 (read p, g, m, v; write m, v) + stage 2 (read p, m, v;
-  // write p) = 44 bytes per parameter.
-  {
-    auto params = make_params(cfg, shapes);
-    apex::optim::FusedLAMB opt(params);
-    const double ours = median_ms(cfg, [&] { opt.step(); });
-    auto peer_params = make_params(cfg, shapes);
-    OpsLamb lamb{peer_params, zeros_like_all(peer_params), zeros_like_all(peer_params)};
-    const double peer = median_ms(cfg, [&] { lamb(); });
-    rows.push_back({name, "FusedLAMB vs LAMB in ATen ops", ours, peer, 44 * n, {}});
+  {  // LAMB: grad norm (read g) + stage 1 (read p, g, m, v; write m, v) + stage 2 (read p, m, v;
+     // write p) = 44 bytes per parameter.
+    auto p1 = make_params(cfg, shapes);
+    apex::optim::FusedLAMB ours(p1);
+    auto p2 = make_params(cfg, shapes);
+    OpsLamb peer{p2, zeros_like_all(p2), zeros_like_all(p2)};
+    const auto ms = interleaved_ms(cfg, {[&] { ours.step(); }, [&] { peer(); }, [&] { stream(); }});
+    add_rows("FusedLAMB", 44 * n, ms, {"LAMB in ATen ops"});
   }
 }
 
@@ -212,11 +211,9 @@ void bench_model(const Config& cfg, const std::string& name, const Shapes& shape
 
 int run_optim(const Config& cfg) {
   std::vector<Row> rows;
-  // The limit is measured over as many elements as BERT-base has (far beyond the caches).
-  const double stream = streaming_limit_gbs(cfg, numel(bert_base()));
   if (selected(cfg, "resnet50")) bench_model(cfg, "resnet50", resnet50(), rows);
   if (selected(cfg, "bert")) bench_model(cfg, "bert", bert_base(), rows);
-  report(cfg, "optim", stream, rows);
+  report(cfg, "optim", rows);
   return 0;
 }
 

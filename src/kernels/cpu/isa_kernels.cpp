@@ -262,7 +262,7 @@ void adam_math(float* __restrict p, const float* __restrict g, float* __restrict
     const float vi = v[i] * a.beta2 + a.one_minus_beta2 * gi * gi;
     m[i] = mi;
     v[i] = vi;
-    const float denom = __builtin_sqrtf(vi) / a.bc2_sqrt + a.eps;
+    const float denom = __builtin_sqrtf(vi) * (1.0f / a.bc2_sqrt) + a.eps;
     p[i] = pi * a.decay - a.step_size * (mi / denom);
   }
 }
@@ -279,6 +279,21 @@ void adam_chunk(const Span& s, const AdamChunk& a) {
   }
 }
 
+// The common case (momentum buffer already seeded) in one loop: g, buf and p are each touched
+// once per element.
+template <bool kNesterov>
+void sgd_momentum_math(float* __restrict p, const float* __restrict g, float* __restrict buf,
+                       int64_t n, const SgdChunk& a) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float pi = p[i];
+    const float gi = g[i] * a.inv + a.wd_before * pi;
+    const float b = a.momentum * buf[i] + a.one_minus_dampening * gi;
+    buf[i] = b;
+    const float d = kNesterov ? gi + a.momentum * b : b;
+    p[i] = pi - a.lr * (d + a.wd_after * pi);
+  }
+}
+
 void sgd_chunk(const Span& s, const SgdChunk& a) {
   ParamTile pt;
   float g_buf[kTile];
@@ -288,19 +303,23 @@ void sgd_chunk(const Span& s, const SgdChunk& a) {
     pt.begin(s, 3, off, n);
     float* __restrict p = pt.p;
     const float* __restrict g = load(s.t[1], at(s.p[1], s.t[1], off), g_buf, n);
+    if (a.has_momentum && !a.first_run) {
+      if (a.nesterov) {
+        sgd_momentum_math<true>(p, g, fp32_list(s, 2, off), n, a);
+      } else {
+        sgd_momentum_math<false>(p, g, fp32_list(s, 2, off), n, a);
+      }
+      pt.end(s, off, n);
+      continue;
+    }
+    // No momentum, or the first step that seeds the buffer with the gradient.
     float* __restrict d = d_buf;
     for (int64_t i = 0; i < n; ++i) d[i] = g[i] * a.inv + a.wd_before * p[i];
     if (a.has_momentum) {
       float* __restrict buf = fp32_list(s, 2, off);
-      if (a.first_run) {
-        for (int64_t i = 0; i < n; ++i) buf[i] = d[i];
-      } else {
-        for (int64_t i = 0; i < n; ++i) buf[i] = a.momentum * buf[i] + a.one_minus_dampening * d[i];
-      }
+      for (int64_t i = 0; i < n; ++i) buf[i] = d[i];
       if (a.nesterov) {
         for (int64_t i = 0; i < n; ++i) d[i] = d[i] + a.momentum * buf[i];
-      } else {
-        for (int64_t i = 0; i < n; ++i) d[i] = buf[i];
       }
     }
     for (int64_t i = 0; i < n; ++i) p[i] = p[i] - a.lr * (d[i] + a.wd_after * p[i]);

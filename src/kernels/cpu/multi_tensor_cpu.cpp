@@ -16,9 +16,9 @@
 namespace apex::kernels::cpu {
 namespace {
 
-// 32768 fp32 elements = 128 KiB per list: big enough to amortise scheduling, small enough that a
+// 65536 fp32 elements = 256 KiB per list: big enough to amortise scheduling, small enough that a
 // 25M-parameter model gives hundreds of chunks to balance over the threads.
-constexpr int64_t kChunk = 32768;
+constexpr int64_t kChunk = 65536;
 
 const IsaTable& select_table() {
   const char* forced = std::getenv("APEX_CPU_ISA");
