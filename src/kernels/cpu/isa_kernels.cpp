@@ -253,6 +253,21 @@ float absmax_chunk(const Span& s, float mul) {
 
 // ---- optimizers -------------------------------------------------------------------------------
 
+// The walk every optimizer shares: per tile, the parameter as fp32 (the master when present),
+// the gradient as fp32 (when `with_grad`), fn(p, g, offset, n), then the parameter written back.
+template <class Fn>
+void for_each_param_tile(const Span& s, int master, bool with_grad, const Fn& fn) {
+  ParamTile pt;
+  float g_buf[kTile];
+  for (int64_t off = 0; off < s.n; off += kTile) {
+    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
+    pt.begin(s, master, off, n);
+    const float* g = with_grad ? load(s.t[1], at(s.p[1], s.t[1], off), g_buf, n) : nullptr;
+    fn(pt.p, g, off, n);
+    pt.end(s, off, n);
+  }
+}
+
 void adam_math(float* __restrict p, const float* __restrict g, float* __restrict m,
                float* __restrict v, int64_t n, const AdamChunk& a) {
   for (int64_t i = 0; i < n; ++i) {
@@ -268,15 +283,9 @@ void adam_math(float* __restrict p, const float* __restrict g, float* __restrict
 }
 
 void adam_chunk(const Span& s, const AdamChunk& a) {
-  ParamTile pt;
-  float g_buf[kTile];
-  for (int64_t off = 0; off < s.n; off += kTile) {
-    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
-    pt.begin(s, 4, off, n);
-    const float* g = load(s.t[1], at(s.p[1], s.t[1], off), g_buf, n);
-    adam_math(pt.p, g, fp32_list(s, 2, off), fp32_list(s, 3, off), n, a);
-    pt.end(s, off, n);
-  }
+  for_each_param_tile(s, 4, true, [&](float* p, const float* g, int64_t off, int64_t n) {
+    adam_math(p, g, fp32_list(s, 2, off), fp32_list(s, 3, off), n, a);
+  });
 }
 
 // The common case (momentum buffer already seeded) in one loop: g, buf and p are each touched
@@ -294,130 +303,113 @@ void sgd_momentum_math(float* __restrict p, const float* __restrict g, float* __
   }
 }
 
-void sgd_chunk(const Span& s, const SgdChunk& a) {
-  ParamTile pt;
-  float g_buf[kTile];
+// No momentum, or the first step, which seeds the buffer with the gradient.
+void sgd_plain_math(float* __restrict p, const float* __restrict g, float* __restrict buf,
+                    int64_t n, const SgdChunk& a) {
   float d_buf[kTile];
-  for (int64_t off = 0; off < s.n; off += kTile) {
-    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
-    pt.begin(s, 3, off, n);
-    float* __restrict p = pt.p;
-    const float* __restrict g = load(s.t[1], at(s.p[1], s.t[1], off), g_buf, n);
-    if (a.has_momentum && !a.first_run) {
-      if (a.nesterov) {
-        sgd_momentum_math<true>(p, g, fp32_list(s, 2, off), n, a);
-      } else {
-        sgd_momentum_math<false>(p, g, fp32_list(s, 2, off), n, a);
-      }
-      pt.end(s, off, n);
-      continue;
+  float* __restrict d = d_buf;
+  for (int64_t i = 0; i < n; ++i) d[i] = g[i] * a.inv + a.wd_before * p[i];
+  if (a.has_momentum) {
+    for (int64_t i = 0; i < n; ++i) buf[i] = d[i];
+    if (a.nesterov) {
+      for (int64_t i = 0; i < n; ++i) d[i] = d[i] + a.momentum * buf[i];
     }
-    // No momentum, or the first step that seeds the buffer with the gradient.
-    float* __restrict d = d_buf;
-    for (int64_t i = 0; i < n; ++i) d[i] = g[i] * a.inv + a.wd_before * p[i];
-    if (a.has_momentum) {
-      float* __restrict buf = fp32_list(s, 2, off);
-      for (int64_t i = 0; i < n; ++i) buf[i] = d[i];
-      if (a.nesterov) {
-        for (int64_t i = 0; i < n; ++i) d[i] = d[i] + a.momentum * buf[i];
-      }
+  }
+  for (int64_t i = 0; i < n; ++i) p[i] = p[i] - a.lr * (d[i] + a.wd_after * p[i]);
+}
+
+void sgd_chunk(const Span& s, const SgdChunk& a) {
+  for_each_param_tile(s, 3, true, [&](float* p, const float* g, int64_t off, int64_t n) {
+    float* buf = a.has_momentum ? fp32_list(s, 2, off) : nullptr;
+    if (!a.has_momentum || a.first_run) {
+      sgd_plain_math(p, g, buf, n, a);
+    } else if (a.nesterov) {
+      sgd_momentum_math<true>(p, g, buf, n, a);
+    } else {
+      sgd_momentum_math<false>(p, g, buf, n, a);
     }
-    for (int64_t i = 0; i < n; ++i) p[i] = p[i] - a.lr * (d[i] + a.wd_after * p[i]);
-    pt.end(s, off, n);
+  });
+}
+
+void adagrad_math(float* __restrict p, const float* __restrict g, float* __restrict h, int64_t n,
+                  const AdagradChunk& a) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float pi = p[i];
+    const float gi = g[i] * a.inv + a.l2 * pi;
+    const float hi = h[i] + gi * gi;
+    h[i] = hi;
+    p[i] = pi * a.decay - a.lr * (gi / (__builtin_sqrtf(hi) + a.eps));
   }
 }
 
 void adagrad_chunk(const Span& s, const AdagradChunk& a) {
-  ParamTile pt;
-  float g_buf[kTile];
-  for (int64_t off = 0; off < s.n; off += kTile) {
-    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
-    pt.begin(s, 3, off, n);
-    float* __restrict p = pt.p;
-    const float* __restrict g = load(s.t[1], at(s.p[1], s.t[1], off), g_buf, n);
-    float* __restrict h = fp32_list(s, 2, off);
-    for (int64_t i = 0; i < n; ++i) {
-      const float pi = p[i];
-      const float gi = g[i] * a.inv + a.l2 * pi;
-      const float hi = h[i] + gi * gi;
-      h[i] = hi;
-      p[i] = pi * a.decay - a.lr * (gi / (__builtin_sqrtf(hi) + a.eps));
-    }
-    pt.end(s, off, n);
-  }
+  for_each_param_tile(s, 3, true, [&](float* p, const float* g, int64_t off, int64_t n) {
+    adagrad_math(p, g, fp32_list(s, 2, off), n, a);
+  });
 }
 
 inline float lamb_update(float m, float v, float p, const LambChunk& a) {
   return (m / a.bc1) / (__builtin_sqrtf(v / a.bc2) + a.eps) + a.wd_update * p;
 }
 
+void lamb_stage1_math(const float* __restrict p, const float* __restrict g, float* __restrict m,
+                      float* __restrict v, float* __restrict u, int64_t n, const LambChunk& a) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] * a.g_mul + a.l2 * p[i];
+    const float mi = a.beta1 * m[i] + a.beta3 * gi;
+    const float vi = a.beta2 * v[i] + a.one_minus_beta2 * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    u[i] = lamb_update(mi, vi, p[i], a);
+  }
+}
+
 void lamb_stage1_chunk(const Span& s, const LambChunk& a, double* u_sumsq, double* p_sumsq) {
-  ParamTile pt;
-  float g_buf[kTile];
   double u_total = 0.0;
   double p_total = 0.0;
-  for (int64_t off = 0; off < s.n; off += kTile) {
-    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
-    pt.begin(s, 4, off, n);
-    const float* __restrict p = pt.p;
-    const float* __restrict g = load(s.t[1], at(s.p[1], s.t[1], off), g_buf, n);
-    float* __restrict m = fp32_list(s, 2, off);
-    float* __restrict v = fp32_list(s, 3, off);
-    float u_buf[kTile];
-    float* __restrict u = u_buf;
-    for (int64_t i = 0; i < n; ++i) {
-      const float gi = g[i] * a.g_mul + a.l2 * p[i];
-      const float mi = a.beta1 * m[i] + a.beta3 * gi;
-      const float vi = a.beta2 * v[i] + a.one_minus_beta2 * gi * gi;
-      m[i] = mi;
-      v[i] = vi;
-      u[i] = lamb_update(mi, vi, p[i], a);
-    }
+  for_each_param_tile(s, 4, true, [&](float* p, const float* g, int64_t off, int64_t n) {
+    float u[kTile];
+    lamb_stage1_math(p, g, fp32_list(s, 2, off), fp32_list(s, 3, off), u, n, a);
     u_total += lane_sumsq(u, n, 1.0f);
     p_total += lane_sumsq(p, n, 1.0f);
-  }
+  });
   *u_sumsq = u_total;
   *p_sumsq = p_total;
 }
 
+void lamb_stage2_math(float* __restrict p, const float* __restrict m, const float* __restrict v,
+                      int64_t n, const LambChunk& a, float ratio) {
+  for (int64_t i = 0; i < n; ++i) p[i] = p[i] - ratio * lamb_update(m[i], v[i], p[i], a);
+}
+
 void lamb_stage2_chunk(const Span& s, const LambChunk& a, float ratio) {
-  ParamTile pt;
-  for (int64_t off = 0; off < s.n; off += kTile) {
-    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
-    pt.begin(s, 4, off, n);
-    float* __restrict p = pt.p;
-    const float* __restrict m = fp32_list(s, 2, off);
-    const float* __restrict v = fp32_list(s, 3, off);
-    for (int64_t i = 0; i < n; ++i) p[i] = p[i] - ratio * lamb_update(m[i], v[i], p[i], a);
-    pt.end(s, off, n);
+  for_each_param_tile(s, 4, false, [&](float* p, const float*, int64_t off, int64_t n) {
+    lamb_stage2_math(p, fp32_list(s, 2, off), fp32_list(s, 3, off), n, a, ratio);
+  });
+}
+
+void novograd_math(float* __restrict p, const float* __restrict g, float* __restrict m, int64_t n,
+                   const NovoGradChunk& a) {
+  if (a.reg_inside_moment) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float gi = (g[i] * a.inv) / a.denom + a.wd * p[i];
+      const float mi = a.beta1 * m[i] + a.beta3 * gi;
+      m[i] = mi;
+      p[i] = p[i] - a.lr * (mi / a.bc1);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const float mi = a.beta1 * m[i] + a.beta3 * (g[i] * a.inv);
+      m[i] = mi;
+      p[i] = p[i] - a.lr * ((mi / a.bc1) / a.denom + a.wd * p[i]);
+    }
   }
 }
 
 void novograd_chunk(const Span& s, const NovoGradChunk& a) {
-  ParamTile pt;
-  float g_buf[kTile];
-  for (int64_t off = 0; off < s.n; off += kTile) {
-    const int64_t n = s.n - off < kTile ? s.n - off : kTile;
-    pt.begin(s, 3, off, n);
-    float* __restrict p = pt.p;
-    const float* __restrict g = load(s.t[1], at(s.p[1], s.t[1], off), g_buf, n);
-    float* __restrict m = fp32_list(s, 2, off);
-    if (a.reg_inside_moment) {
-      for (int64_t i = 0; i < n; ++i) {
-        const float gi = (g[i] * a.inv) / a.denom + a.wd * p[i];
-        const float mi = a.beta1 * m[i] + a.beta3 * gi;
-        m[i] = mi;
-        p[i] = p[i] - a.lr * (mi / a.bc1);
-      }
-    } else {
-      for (int64_t i = 0; i < n; ++i) {
-        const float mi = a.beta1 * m[i] + a.beta3 * (g[i] * a.inv);
-        m[i] = mi;
-        p[i] = p[i] - a.lr * ((mi / a.bc1) / a.denom + a.wd * p[i]);
-      }
-    }
-    pt.end(s, off, n);
-  }
+  for_each_param_tile(s, 3, true, [&](float* p, const float* g, int64_t off, int64_t n) {
+    novograd_math(p, g, fp32_list(s, 2, off), n, a);
+  });
 }
 
 #define APEX_STR_(x) #x
