@@ -6,6 +6,9 @@
 
 #include <ATen/ops/_foreach_copy.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/full.h>
+#include <apex/optim/fused_optimizer.h>
+#include <apex/optim/multi_tensor.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -13,6 +16,7 @@
 #include <algorithm>
 #include <exception>
 #include <iostream>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -37,6 +41,9 @@ struct OptimizerEntry {
   bool backward_since_step = false;
   bool overflowed = false;  // a resolved overflow check hit this optimizer since its last step
   int64_t skipped = 0;
+  // Options::unscale_in_optimizer: the gradients are still scaled; this 0-dim fp32 tensor is the
+  // factor the fused optimizer applies in its kernel.
+  at::Tensor deferred_inv;
 };
 
 /// The overflow flags one scale_loss scope produced, not yet read on the host.
@@ -56,6 +63,7 @@ struct AmpState {
   int verbosity = 1;
   // Static scale 1.0 without master weights: apex's fast path, no unscale and no check.
   bool fast_path = false;
+  bool unscale_in_optimizer = false;
 
   ~AmpState();
   void rethrow_deferred();
@@ -67,6 +75,8 @@ struct AmpState {
   void abandon(const std::vector<size_t>& targets);
   void clear_grads(OptimizerEntry& e);
   void copy_masters_to_model(OptimizerEntry& e);
+  static void materialize_deferred(OptimizerEntry& e);
+  bool can_defer(const OptimizerEntry& e) const;
   bool step(const std::vector<size_t>& indices);
 };
 
@@ -148,8 +158,28 @@ void AmpState::resolve(Pred&& pred) {
   }
 }
 
+void AmpState::materialize_deferred(OptimizerEntry& e) {
+  if (!e.deferred_inv.defined()) return;
+  const at::NoGradGuard no_grad;
+  for (auto& s : e.slots) {
+    at::Tensor& g = s.model.mutable_grad();
+    if (g.defined()) g.mul_(e.deferred_inv.to(g.device()));
+  }
+  e.deferred_inv = at::Tensor();
+}
+
+bool AmpState::can_defer(const OptimizerEntry& e) const {
+  if (!unscale_in_optimizer || dynamic_cast<optim::FusedOptimizer*>(e.optimizer) == nullptr) {
+    return false;
+  }
+  return std::none_of(e.slots.begin(), e.slots.end(),
+                      [](const Slot& s) { return s.copy || s.stash.defined(); });
+}
+
 void AmpState::prepare_backward(size_t target, int64_t loss_id) {
   auto& e = entries[target];
+  // Gradients left scaled for the optimizer are unscaled before anything accumulates onto them.
+  materialize_deferred(e);
   if (e.scaled_pending) {
     // Accumulating onto gradients a delay_unscale scope left scaled by the same scaler.
     TORCH_CHECK(e.pending_loss_id == loss_id, "Amp::scale_loss: optimizer ", target,
@@ -170,8 +200,22 @@ void AmpState::prepare_backward(size_t target, int64_t loss_id) {
 
 void AmpState::post_backward(const std::vector<size_t>& targets, int64_t loss_id) {
   std::vector<at::Tensor> to_unscale;
+  std::vector<at::Tensor> to_check;  // left scaled for a fused optimizer: only checked
   std::vector<std::pair<Slot*, at::Tensor>> converted;
+  const double scale = scalers[static_cast<size_t>(loss_id)].loss_scale();
   for (size_t t : targets) {
+    if (can_defer(entries[t])) {
+      for (auto& s : entries[t].slots) {
+        const at::Tensor& g = s.model.grad();
+        if (!g.defined()) continue;
+        TORCH_CHECK(!g.is_sparse(), "Amp: sparse gradients are not supported (parameter of shape ",
+                    s.model.sizes(), ")");
+        to_check.push_back(g);
+      }
+      // The reciprocal in double, rounded once to fp32, as LossScaler::unscale_ takes it.
+      entries[t].deferred_inv = at::full({}, 1.0 / scale, at::TensorOptions().dtype(at::kFloat));
+      continue;
+    }
     for (auto& s : entries[t].slots) {
       const at::Tensor& g = s.model.grad();
       if (!g.defined()) continue;
@@ -188,6 +232,13 @@ void AmpState::post_backward(const std::vector<size_t>& targets, int64_t loss_id
   }
   PendingCheck check{loss_id, targets, {}};
   scalers[static_cast<size_t>(loss_id)].unscale_(to_unscale, check.flags);
+  std::map<std::pair<std::string, int>, std::vector<at::Tensor>> groups;
+  for (const auto& g : to_check) {
+    groups[{g.device().str(), static_cast<int>(g.scalar_type())}].push_back(g);
+  }
+  for (auto& [key, list] : groups) {
+    optim::multi_tensor_check_finite(list, flag_for(check.flags, list.front().device()));
+  }
   for (auto& [slot, g32] : converted) {
     at::Tensor& mg = slot->master.mutable_grad();
     if (mg.defined()) {
@@ -233,6 +284,7 @@ void AmpState::abandon(const std::vector<size_t>& targets) {
 }
 
 void AmpState::clear_grads(OptimizerEntry& e) {
+  e.deferred_inv = at::Tensor();
   for (auto& s : e.slots) {
     s.model.mutable_grad() = at::Tensor();
     s.master.mutable_grad() = at::Tensor();
@@ -277,6 +329,10 @@ bool AmpState::step(const std::vector<size_t>& indices) {
       clear_grads(e);
       e.skipped += 1;
       all_stepped = false;
+    } else if (e.deferred_inv.defined()) {
+      static_cast<optim::FusedOptimizer*>(e.optimizer)
+          ->step(optim::GradScaling{e.deferred_inv, at::Tensor()});
+      e.deferred_inv = at::Tensor();
     } else {
       e.optimizer->step();
       copy_masters_to_model(e);
@@ -352,6 +408,7 @@ Amp::Amp(std::vector<std::shared_ptr<torch::nn::Module>> models,
   auto& st = *state_;
   st.props = Properties::resolve(options);
   st.verbosity = options.verbosity();
+  st.unscale_in_optimizer = options.unscale_in_optimizer();
   const auto& p = st.props;
 
   // Every check first: a failed initialize changes nothing.

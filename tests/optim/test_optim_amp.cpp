@@ -147,6 +147,49 @@ TEST(OptimWithAmp, FusedAdamMatchesAdamWAtEveryLevel) {
   }
 }
 
+// Options::unscale_in_optimizer: at O1 the gradients stay scaled and FusedAdam unscales them in
+// its kernel. The result is bit-identical to unscaling in place (same fp32 product), including
+// with two scale_loss scopes accumulating before one step and with an overflowing step.
+TEST(OptimWithAmp, UnscaleInOptimizerIsBitIdentical) {
+  auto run = [](bool in_kernel, bool accumulate) {
+    torch::manual_seed(4);
+    Mlp model(16, 32, 4);
+    FusedAdam opt(model->parameters(), FusedAdamOptions(1e-2));
+    auto amp = apex::amp::initialize(model, opt,
+                                     quiet(OptLevel::O1)
+                                         .half_dtype(at::kBFloat16)
+                                         .loss_scale(apex::amp::LossScale::dynamic())
+                                         .init_loss_scale(1024.0)
+                                         .unscale_in_optimizer(in_kernel));
+    std::vector<double> grad_sums;
+    for (int step = 0; step < 8; ++step) {
+      amp.zero_grad();
+      for (int micro = 0; micro < (accumulate ? 2 : 1); ++micro) {
+        auto batch = blob_batch(step * 2 + micro);
+        auto loss = cross_entropy(amp.forward(model, batch.x), batch.y);
+        if (step == 5) loss = loss * std::numeric_limits<float>::infinity();
+        amp.scale_loss(loss).backward();
+      }
+      if (step == 0) grad_sums.push_back(model->parameters()[0].grad().abs().sum().item<double>());
+      amp.step();
+    }
+    return std::make_tuple(params_of(model), amp.loss_scale(), grad_sums.front(),
+                           amp.skipped_steps(0));
+  };
+  for (bool accumulate : {false, true}) {
+    const auto [p_ref, scale_ref, g_ref, skipped_ref] = run(false, accumulate);
+    const auto [p_in, scale_in, g_in, skipped_in] = run(true, accumulate);
+    EXPECT_TRUE(lists_equal(p_in, p_ref)) << "accumulate " << accumulate;
+    EXPECT_EQ(scale_in, scale_ref);
+    EXPECT_EQ(skipped_in, 1);
+    EXPECT_EQ(skipped_ref, 1);
+    if (!accumulate) {
+      // Left scaled by 1024 until the optimizer's kernel: the documented trade-off.
+      EXPECT_NEAR(g_in / g_ref, 1024.0, 1e-2);
+    }
+  }
+}
+
 // O2 with an fp16 model: an overflowing step is skipped by Amp, and FusedAdam's state and
 // counter do not move.
 TEST(OptimWithAmp, O2OverflowSkipsFusedAdam) {

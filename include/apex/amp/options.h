@@ -80,6 +80,13 @@ struct Options {
   TORCH_ARG(double, max_loss_scale) = 16777216.0;
   /// 0: silent; 1: one line on stderr per skipped step (apex's "Gradient overflow" message).
   TORCH_ARG(int, verbosity) = 1;
+  /// For optimizers that are `apex::optim::FusedOptimizer`s and keep no master copies (O0 with a
+  /// dynamic scale, O1, O3): leave the gradients scaled after `scale_loss` and let the optimizer
+  /// unscale them inside its kernel, which saves one read-and-write pass over the gradients.
+  /// Off by default because gradients read between backward and `step()` (clipping, logging) are
+  /// then still multiplied by the loss scale. A second `scale_loss` before the step unscales the
+  /// pending gradients first, so accumulation stays correct.
+  TORCH_ARG(bool, unscale_in_optimizer) = false;
 };
 
 /// The concrete settings an opt level and its overrides resolve to (apex's `Properties`).
