@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "kernels/cuda/multi_tensor_apply.cuh"
 #include "kernels/multi_tensor.h"
@@ -20,32 +22,92 @@ using detail::kWarpSize;
 
 cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
 
-/// The AmpArgs skip: a non-finite gradient was found, so the optimizer changes nothing.
-__device__ __forceinline__ bool skip_step(const float* found_inf) {
-  return found_inf != nullptr && *found_inf != 0.0f;
-}
-
 __device__ __forceinline__ float value_or(const float* p, float fallback) {
   return p != nullptr ? *p : fallback;
 }
 
-/// Loads the parameter the math works on: the fp32 master when present, else the model param.
-template <typename TP>
-__device__ __forceinline__ void load_param(float (&r)[kILP], const TP* p, const float* master,
-                                           const Frame& f) {
-  if (master != nullptr) {
-    detail::load(r, master, f);
-  } else {
-    detail::load(r, p, f);
+// ---------------------------------------------------------------------------------------------
+// Element-wise ops: the lists a kernel reads and writes, and the frame loop over them
+// ---------------------------------------------------------------------------------------------
+
+/// A list the element-wise math reads (kRead, else its registers start at 0) and/or writes
+/// (kWrite), stored as T (const T when only read).
+template <typename T, bool kRead, bool kWrite>
+struct ListIo {
+  T* ptr;
+
+  __device__ __forceinline__ bool aligned() const { return detail::is_aligned(ptr); }
+  __device__ __forceinline__ void load(float (&r)[kILP], const Frame& f) const {
+    if constexpr (kRead) detail::load(r, ptr, f);
   }
+  __device__ __forceinline__ void store(const float (&r)[kILP], const Frame& f) const {
+    if constexpr (kWrite) detail::store(ptr, r, f);
+  }
+};
+
+template <typename T, int D>
+__device__ __forceinline__ ListIo<const T, true, false> in(const Chunk<D>& c, int list) {
+  return {c.template ptr<const T>(list)};
+}
+template <typename T, int D>
+__device__ __forceinline__ ListIo<T, false, true> out(const Chunk<D>& c, int list) {
+  return {c.template ptr<T>(list)};
+}
+template <typename T, int D>
+__device__ __forceinline__ ListIo<T, true, true> in_out(const Chunk<D>& c, int list) {
+  return {c.template ptr<T>(list)};
 }
 
-/// Stores the updated parameter to the master (when present) and, rounded, to the model param.
-template <typename TP>
-__device__ __forceinline__ void store_param(TP* p, float* master, const float (&r)[kILP],
-                                            const Frame& f) {
-  if (master != nullptr) detail::store(master, r, f);
-  detail::store(p, r, f);
+/// The parameter of an optimizer (list 0) and its optional fp32 master (list `master_list`): the
+/// math reads the master when present, else the model param; with kWrite the result is stored
+/// to the master (when present) and, rounded, to the model param.
+template <typename TP, bool kWrite>
+struct ParamIo {
+  std::conditional_t<kWrite, TP, const TP>* p;
+  std::conditional_t<kWrite, float, const float>* master;
+
+  template <int D>
+  __device__ __forceinline__ ParamIo(const Chunk<D>& c, int master_list)
+      : p(c.template ptr<TP>(0)), master(c.template ptr<float>(master_list)) {}
+
+  __device__ __forceinline__ bool aligned() const {
+    return detail::is_aligned(p) && detail::is_aligned(master);
+  }
+  __device__ __forceinline__ void load(float (&r)[kILP], const Frame& f) const {
+    if (master != nullptr) {
+      detail::load(r, master, f);
+    } else {
+      detail::load(r, p, f);
+    }
+  }
+  __device__ __forceinline__ void store(const float (&r)[kILP], const Frame& f) const {
+    if constexpr (kWrite) {
+      if (master != nullptr) detail::store(master, r, f);
+      detail::store(p, r, f);
+    }
+  }
+};
+
+template <class Math, std::size_t... K, class... Lists>
+__device__ __forceinline__ void run_frame(const Frame& f, Math& math, std::index_sequence<K...>,
+                                          const Lists&... lists) {
+  float r[sizeof...(Lists)][kILP] = {};
+  (lists.load(r[K], f), ...);
+#pragma unroll
+  for (int i = 0; i < kILP; ++i) math(i < f.count, r[K][i]...);
+  (lists.store(r[K], f), ...);
+}
+
+/// For each frame of this thread in a chunk of n elements: loads every list, calls
+/// math(live, x...) on each of the kILP lanes with x the lane's value of each list (by reference;
+/// live is false for lanes past the end of the chunk, which are computed but not stored), then
+/// stores the lists that are written. Vector accesses are used when every list is aligned.
+template <class Math, class... Lists>
+__device__ __forceinline__ void for_each_element(int n, Math&& math, const Lists&... lists) {
+  const bool aligned = (lists.aligned() && ...);
+  detail::for_each_frame(n, aligned, [&](const Frame& f) {
+    run_frame(f, math, std::index_sequence_for<Lists...>{}, lists...);
+  });
 }
 
 double bias_correction(bool enabled, float beta, int64_t step) {
@@ -63,20 +125,14 @@ struct ScaleOp {
   float* found_inf;
 
   __device__ void operator()(const Chunk<2>& c) const {
-    const TIn* in = c.ptr<const TIn>(0);
-    TOut* out = c.ptr<TOut>(1);
     bool bad = false;
-    const bool aligned = detail::is_aligned(in) && detail::is_aligned(out);
-    detail::for_each_frame(c.n, aligned, [&](const Frame& f) {
-      float r[kILP];
-      detail::load(r, in, f);
-#pragma unroll
-      for (int i = 0; i < kILP; ++i) {
-        if (i < f.count && !isfinite(r[i])) bad = true;
-        r[i] *= scale;
-      }
-      detail::store(out, r, f);
-    });
+    for_each_element(
+        c.n,
+        [&](bool live, float& x, float& y) {
+          if (live && !isfinite(x)) bad = true;
+          y = x * scale;
+        },
+        in<TIn>(c, 0), out<TOut>(c, 1));
     if (bad) *found_inf = 1.0f;
   }
 };
@@ -90,25 +146,14 @@ struct AxpbyOp {
   float* found_inf;
 
   __device__ void operator()(const Chunk<3>& c) const {
-    const TX* x = c.ptr<const TX>(0);
-    const TY* y = c.ptr<const TY>(1);
-    TOut* out = c.ptr<TOut>(2);
     bool bad = false;
-    const bool aligned = detail::is_aligned(x) && detail::is_aligned(y) && detail::is_aligned(out);
-    detail::for_each_frame(c.n, aligned, [&](const Frame& f) {
-      float rx[kILP];
-      float ry[kILP];
-      detail::load(rx, x, f);
-      detail::load(ry, y, f);
-#pragma unroll
-      for (int i = 0; i < kILP; ++i) {
-        if (i < f.count && ((check_x && !isfinite(rx[i])) || (check_y && !isfinite(ry[i])))) {
-          bad = true;
-        }
-        rx[i] = a * rx[i] + b * ry[i];
-      }
-      detail::store(out, rx, f);
-    });
+    for_each_element(
+        c.n,
+        [&](bool live, float& x, float& y, float& o) {
+          if (live && ((check_x && !isfinite(x)) || (check_y && !isfinite(y)))) bad = true;
+          o = a * x + b * y;
+        },
+        in<TX>(c, 0), in<TY>(c, 1), out<TOut>(c, 2));
     if (bad) *found_inf = 1.0f;
   }
 };
@@ -118,22 +163,20 @@ struct CheckFiniteOp {
   float* found_inf;
 
   __device__ void operator()(const Chunk<1>& c) const {
-    const T* x = c.ptr<const T>(0);
     bool bad = false;
-    detail::for_each_frame(c.n, detail::is_aligned(x), [&](const Frame& f) {
-      float r[kILP];
-      detail::load(r, x, f);
-#pragma unroll
-      for (int i = 0; i < kILP; ++i) {
-        if (i < f.count && !isfinite(r[i])) bad = true;
-      }
-    });
+    for_each_element(
+        c.n,
+        [&](bool live, float& x) {
+          if (live && !isfinite(x)) bad = true;
+        },
+        in<T>(c, 0));
     if (bad) *found_inf = 1.0f;
   }
 };
 
 // ---------------------------------------------------------------------------------------------
-// norm: one partial per chunk (sum of squares or NaN-aware max of |x|), then cleanup kernels
+// norm: one partial// norm: one partial per chunk (sum of squares or NaN-aware max of |x|), then
+// cleanup kernels
 // ---------------------------------------------------------------------------------------------
 
 template <NormType Type>
@@ -160,17 +203,14 @@ struct NormOp {
 
   __device__ void operator()(const Chunk<1>& c) const {
     using Traits = NormTraits<Type>;
-    const T* x = c.ptr<const T>(0);
     const float s = value_or(inv_scale, 1.0f);
     float acc[1] = {0.0f};
-    detail::for_each_frame(c.n, detail::is_aligned(x), [&](const Frame& f) {
-      float r[kILP];
-      detail::load(r, x, f);
-#pragma unroll
-      for (int i = 0; i < kILP; ++i) {
-        if (i < f.count) acc[0] = Traits::accumulate(acc[0], r[i] * s);
-      }
-    });
+    for_each_element(
+        c.n,
+        [&](bool live, float& x) {
+          if (live) acc[0] = Traits::accumulate(acc[0], x * s);
+        },
+        in<T>(c, 0));
     detail::block_reduce(acc, typename Traits::Combine{});
     if (threadIdx.x == 0) partial[c.ordinal] = acc[0];
   }
@@ -260,43 +300,40 @@ void norm_typed(const TensorLists& lists, const NormArgs& args, cudaStream_t str
 }
 
 // ---------------------------------------------------------------------------------------------
-// Adam
+// Optimizers: each op holds its Args (and values derived from them on the host), leaves
+// everything unchanged when AmpArgs::found_inf is set, and runs its per-element math over
+// ParamIo (list 0 and the master) and its gradient and state lists.
 // ---------------------------------------------------------------------------------------------
 
-struct AdamScalars {
-  float lr;
-  float beta1;
-  float beta2;
-  float eps;
-  float weight_decay;
+/// The AmpArgs skip: a non-finite gradient was found, so the optimizer changes nothing.
+__device__ __forceinline__ bool skip_step(const AmpArgs& amp) {
+  return amp.found_inf != nullptr && *amp.found_inf != 0.0f;
+}
+
+/// From args.lr and args.step, computed on the host in double like the CPU backend; the kernel
+/// recomputes them in fp32 in capturable mode.
+struct AdamHost {
   float bc1;  ///< from args.step, used when step_ptr is null
   float bc2;
-  // From args.lr and args.step, computed on the host in double like the CPU backend; the kernel
-  // recomputes them in fp32 in capturable mode.
   float step_size;  ///< lr / bc1
   float bc2_sqrt;
   float decay;  ///< 1 - lr*wd
-  bool adam_w_mode;
-  bool bias_correction;
-  const float* lr_ptr;
-  const float* step_ptr;
-  const float* inv_scale;
-  const float* found_inf;
 };
 
 template <typename TP, typename TG>
 struct AdamOp {
-  AdamScalars s;
+  AdamArgs s;
+  AdamHost h;
 
   __device__ void operator()(const Chunk<5>& c) const {
-    if (skip_step(s.found_inf)) return;
-    float step_size = s.step_size;
-    float bc2_sqrt = s.bc2_sqrt;
-    float decay = s.decay;
+    if (skip_step(s.amp)) return;
+    float step_size = h.step_size;
+    float bc2_sqrt = h.bc2_sqrt;
+    float decay = h.decay;
     if (s.lr_ptr != nullptr || s.step_ptr != nullptr) {  // capturable: read lr and step here
       const float lr = value_or(s.lr_ptr, s.lr);
-      float bc1 = s.bc1;
-      float bc2 = s.bc2;
+      float bc1 = h.bc1;
+      float bc2 = h.bc2;
       if (s.step_ptr != nullptr && s.bias_correction) {
         const float step = *s.step_ptr;
         bc1 = 1.0f - powf(s.beta1, step);
@@ -306,83 +343,47 @@ struct AdamOp {
       bc2_sqrt = sqrtf(bc2);
       decay = 1.0f - lr * s.weight_decay;
     }
-    const float g_scale = value_or(s.inv_scale, 1.0f);
-
-    TP* p = c.ptr<TP>(0);
-    const TG* g = c.ptr<const TG>(1);
-    float* m = c.ptr<float>(2);
-    float* v = c.ptr<float>(3);
-    float* master = c.ptr<float>(4);
-    const bool aligned = detail::is_aligned(p) && detail::is_aligned(g) && detail::is_aligned(m) &&
-                         detail::is_aligned(v) && detail::is_aligned(master);
-    detail::for_each_frame(c.n, aligned, [&](const Frame& f) {
-      float rp[kILP];
-      float rg[kILP];
-      float rm[kILP];
-      float rv[kILP];
-      load_param(rp, p, master, f);
-      detail::load(rg, g, f);
-      detail::load(rm, m, f);
-      detail::load(rv, v, f);
-#pragma unroll
-      for (int i = 0; i < kILP; ++i) {
-        float gi = rg[i] * g_scale;
-        float pi = rp[i];
-        if (s.weight_decay != 0.0f) {
-          if (s.adam_w_mode) {
-            pi = pi * decay;
-          } else {
-            gi = gi + s.weight_decay * pi;
+    const float g_scale = value_or(s.amp.inv_scale, 1.0f);
+    for_each_element(
+        c.n,
+        [&](bool, float& p, float& g, float& m, float& v) {
+          float gi = g * g_scale;
+          float pi = p;
+          if (s.weight_decay != 0.0f) {
+            if (s.adam_w_mode) {
+              pi = pi * decay;
+            } else {
+              gi = gi + s.weight_decay * pi;
+            }
           }
-        }
-        rm[i] = s.beta1 * rm[i] + (1.0f - s.beta1) * gi;
-        rv[i] = s.beta2 * rv[i] + (1.0f - s.beta2) * gi * gi;
-        // torch's addcdiv order: p - step_size * (m / denom)
-        rp[i] = pi - step_size * (rm[i] / (sqrtf(rv[i]) / bc2_sqrt + s.eps));
-      }
-      store_param(p, master, rp, f);
-      detail::store(m, rm, f);
-      detail::store(v, rv, f);
-    });
+          m = s.beta1 * m + (1.0f - s.beta1) * gi;
+          v = s.beta2 * v + (1.0f - s.beta2) * gi * gi;
+          // torch's addcdiv order: p - step_size * (m / denom)
+          p = pi - step_size * (m / (sqrtf(v) / bc2_sqrt + s.eps));
+        },
+        ParamIo<TP, true>(c, 4), in<TG>(c, 1), in_out<float>(c, 2), in_out<float>(c, 3));
   }
-};
-
-// ---------------------------------------------------------------------------------------------
-// SGD
-// ---------------------------------------------------------------------------------------------
-
-struct SgdScalars {
-  float lr;
-  float momentum;
-  float dampening;
-  float weight_decay;
-  bool nesterov;
-  bool wd_after_momentum;
-  bool first_run;
-  const float* inv_scale;
-  const float* found_inf;
 };
 
 template <typename TP, typename TG>
 struct SgdOp {
-  SgdScalars s;
+  SgdArgs s;
 
   __device__ void operator()(const Chunk<4>& c) const {
-    if (skip_step(s.found_inf)) return;
-    const float g_scale = value_or(s.inv_scale, 1.0f);
+    if (skip_step(s.amp)) return;
+    const float g_scale = value_or(s.amp.inv_scale, 1.0f);
     const bool use_momentum = s.momentum != 0.0f;  // the buffer list is present then
-
-    TP* p = c.ptr<TP>(0);
+    // A frame loop of its own: through for_each_element the conditional buffer load made the
+    // compiler emit different code for this op, so this loop keeps SGD's generated math as it was.
+    const ParamIo<TP, true> param(c, 3);
     const TG* g = c.ptr<const TG>(1);
     float* buf = c.ptr<float>(2);
-    float* master = c.ptr<float>(3);
-    const bool aligned = detail::is_aligned(p) && detail::is_aligned(g) &&
-                         detail::is_aligned(buf) && detail::is_aligned(master);
+    const bool aligned = param.aligned() && detail::is_aligned(g) && detail::is_aligned(buf);
     detail::for_each_frame(c.n, aligned, [&](const Frame& f) {
       float rp[kILP];
       float rg[kILP];
       float rb[kILP] = {};
-      load_param(rp, p, master, f);
+      param.load(rp, f);
       detail::load(rg, g, f);
       if (use_momentum && !s.first_run) detail::load(rb, buf, f);
 #pragma unroll
@@ -397,139 +398,71 @@ struct SgdOp {
         if (s.weight_decay != 0.0f && s.wd_after_momentum) gi = gi + s.weight_decay * pi;
         rp[i] = pi - s.lr * gi;
       }
-      store_param(p, master, rp, f);
+      param.store(rp, f);
       if (use_momentum) detail::store(buf, rb, f);
     });
   }
 };
 
-// ---------------------------------------------------------------------------------------------
-// Adagrad
-// ---------------------------------------------------------------------------------------------
-
-struct AdagradScalars {
-  float lr;
-  float eps;
-  float weight_decay;
-  float decay;  ///< 1 - lr*wd in w mode (computed in double on the host), else 1
-  bool adagrad_w_mode;
-  const float* inv_scale;
-  const float* found_inf;
-};
-
 template <typename TP, typename TG>
 struct AdagradOp {
-  AdagradScalars s;
+  AdagradArgs s;
+  float decay;  ///< 1 - lr*wd in w mode (computed in double on the host), else 1
 
   __device__ void operator()(const Chunk<4>& c) const {
-    if (skip_step(s.found_inf)) return;
-    const float g_scale = value_or(s.inv_scale, 1.0f);
-
-    TP* p = c.ptr<TP>(0);
-    const TG* g = c.ptr<const TG>(1);
-    float* h = c.ptr<float>(2);
-    float* master = c.ptr<float>(3);
-    const bool aligned = detail::is_aligned(p) && detail::is_aligned(g) && detail::is_aligned(h) &&
-                         detail::is_aligned(master);
-    detail::for_each_frame(c.n, aligned, [&](const Frame& f) {
-      float rp[kILP];
-      float rg[kILP];
-      float rh[kILP];
-      load_param(rp, p, master, f);
-      detail::load(rg, g, f);
-      detail::load(rh, h, f);
-#pragma unroll
-      for (int i = 0; i < kILP; ++i) {
-        float gi = rg[i] * g_scale;
-        const float pi = rp[i];
-        if (!s.adagrad_w_mode && s.weight_decay != 0.0f) gi = gi + s.weight_decay * pi;
-        rh[i] = rh[i] + gi * gi;
-        // w mode: p -= lr*wd*p folded into p*(1 - lr*wd)
-        rp[i] = pi * s.decay - s.lr * (gi / (sqrtf(rh[i]) + s.eps));
-      }
-      store_param(p, master, rp, f);
-      detail::store(h, rh, f);
-    });
+    if (skip_step(s.amp)) return;
+    const float g_scale = value_or(s.amp.inv_scale, 1.0f);
+    for_each_element(
+        c.n,
+        [&](bool, float& p, float& g, float& h) {
+          float gi = g * g_scale;
+          const float pi = p;
+          if (!s.adagrad_w_mode && s.weight_decay != 0.0f) gi = gi + s.weight_decay * pi;
+          h = h + gi * gi;
+          // w mode: p -= lr*wd*p folded into p*(1 - lr*wd)
+          p = pi * decay - s.lr * (gi / (sqrtf(h) + s.eps));
+        },
+        ParamIo<TP, true>(c, 3), in<TG>(c, 1), in_out<float>(c, 2));
   }
 };
 
-// ---------------------------------------------------------------------------------------------
-// LAMB
-// ---------------------------------------------------------------------------------------------
-
-struct LambScalars {
-  float lr;
-  float beta1;
-  float beta2;
-  float beta3;
-  float eps;
-  float weight_decay;
-  float bc1;
-  float bc2;
-  float max_grad_norm;
-  bool adam_w_mode;
-  bool use_nvlamb;
-  const float* global_grad_norm;
-  float* u_sumsq;
-  float* p_sumsq;
-  const float* inv_scale;
-  const float* found_inf;
-};
-
-/// u = (m/bc1) / (sqrt(v/bc2) + eps) [+ wd*p]. Every operation is explicitly rounded so that the
-/// compiler cannot contract it differently in the two stages: stage 2 recomputes exactly the u
-/// whose squares stage 1 summed.
-__device__ __forceinline__ float lamb_update(float m, float v, float p, const LambScalars& s) {
-  float u = __fdiv_rn(__fdiv_rn(m, s.bc1), __fadd_rn(__fsqrt_rn(__fdiv_rn(v, s.bc2)), s.eps));
+/// LAMB's u = (m/bc1) / (sqrt(v/bc2) + eps) [+ wd*p]. Every operation is explicitly rounded so
+/// that the compiler cannot contract it differently in the two stages: stage 2 recomputes
+/// exactly the u whose squares stage 1 summed.
+__device__ __forceinline__ float lamb_update(float m, float v, float p, const LambArgs& s) {
+  float u = __fdiv_rn(__fdiv_rn(m, s.bias_correction1),
+                      __fadd_rn(__fsqrt_rn(__fdiv_rn(v, s.bias_correction2)), s.eps));
   if (s.adam_w_mode && s.weight_decay != 0.0f) u = __fadd_rn(u, __fmul_rn(s.weight_decay, p));
   return u;
 }
 
 template <typename TP, typename TG>
 struct LambStage1Op {
-  LambScalars s;
+  LambArgs s;
 
   __device__ void operator()(const Chunk<5>& c) const {
-    if (skip_step(s.found_inf)) return;
+    if (skip_step(s.amp)) return;
     float clip = 1.0f;
     if (s.max_grad_norm > 0.0f && s.global_grad_norm != nullptr) {
       const float gnorm = *s.global_grad_norm;
       if (gnorm > s.max_grad_norm) clip = gnorm / s.max_grad_norm;
     }
-    const float g_mul = value_or(s.inv_scale, 1.0f) / clip;
-
-    const TP* p = c.ptr<const TP>(0);
-    const TG* g = c.ptr<const TG>(1);
-    float* m = c.ptr<float>(2);
-    float* v = c.ptr<float>(3);
-    const float* master = c.ptr<const float>(4);
-    const bool aligned = detail::is_aligned(p) && detail::is_aligned(g) && detail::is_aligned(m) &&
-                         detail::is_aligned(v) && detail::is_aligned(master);
+    const float g_mul = value_or(s.amp.inv_scale, 1.0f) / clip;
     float sums[2] = {0.0f, 0.0f};  // u*u, p*p
-    detail::for_each_frame(c.n, aligned, [&](const Frame& f) {
-      float rp[kILP];
-      float rg[kILP];
-      float rm[kILP];
-      float rv[kILP];
-      load_param(rp, p, master, f);
-      detail::load(rg, g, f);
-      detail::load(rm, m, f);
-      detail::load(rv, v, f);
-#pragma unroll
-      for (int i = 0; i < kILP; ++i) {
-        float gi = rg[i] * g_mul;
-        if (!s.adam_w_mode && s.weight_decay != 0.0f) gi = gi + s.weight_decay * rp[i];
-        rm[i] = s.beta1 * rm[i] + s.beta3 * gi;
-        rv[i] = s.beta2 * rv[i] + (1.0f - s.beta2) * gi * gi;
-        if (i < f.count) {
-          const float u = lamb_update(rm[i], rv[i], rp[i], s);
-          sums[0] += u * u;
-          sums[1] += rp[i] * rp[i];
-        }
-      }
-      detail::store(m, rm, f);
-      detail::store(v, rv, f);
-    });
+    for_each_element(
+        c.n,
+        [&](bool live, float& p, float& g, float& m, float& v) {
+          float gi = g * g_mul;
+          if (!s.adam_w_mode && s.weight_decay != 0.0f) gi = gi + s.weight_decay * p;
+          m = s.beta1 * m + s.beta3 * gi;
+          v = s.beta2 * v + (1.0f - s.beta2) * gi * gi;
+          if (live) {
+            const float u = lamb_update(m, v, p, s);
+            sums[0] += u * u;
+            sums[1] += p * p;
+          }
+        },
+        ParamIo<TP, false>(c, 4), in<TG>(c, 1), in_out<float>(c, 2), in_out<float>(c, 3));
     detail::block_reduce(sums, detail::SumOp{});
     if (threadIdx.x == 0) {
       atomicAdd(s.u_sumsq + c.tensor, sums[0]);
@@ -540,96 +473,59 @@ struct LambStage1Op {
 
 template <typename TP>
 struct LambStage2Op {
-  LambScalars s;
+  LambArgs s;
 
   __device__ void operator()(const Chunk<5>& c) const {
-    if (skip_step(s.found_inf)) return;
+    if (skip_step(s.amp)) return;
     const float p_norm = sqrtf(s.p_sumsq[c.tensor]);
     const float u_norm = sqrtf(s.u_sumsq[c.tensor]);
     const bool adapt = (s.use_nvlamb || s.weight_decay != 0.0f) && p_norm != 0.0f && u_norm != 0.0f;
     const float ratio = adapt ? s.lr * (p_norm / u_norm) : s.lr;
-
-    TP* p = c.ptr<TP>(0);  // list 1 (the gradients) is not read
-    const float* m = c.ptr<const float>(2);
-    const float* v = c.ptr<const float>(3);
-    float* master = c.ptr<float>(4);
-    const bool aligned = detail::is_aligned(p) && detail::is_aligned(m) && detail::is_aligned(v) &&
-                         detail::is_aligned(master);
-    detail::for_each_frame(c.n, aligned, [&](const Frame& f) {
-      float rp[kILP];
-      float rm[kILP];
-      float rv[kILP];
-      load_param(rp, p, master, f);
-      detail::load(rm, m, f);
-      detail::load(rv, v, f);
-#pragma unroll
-      for (int i = 0; i < kILP; ++i) rp[i] = rp[i] - ratio * lamb_update(rm[i], rv[i], rp[i], s);
-      store_param(p, master, rp, f);
-    });
+    // list 1 (the gradients) is not read
+    for_each_element(
+        c.n, [&](bool, float& p, float& m, float& v) { p = p - ratio * lamb_update(m, v, p, s); },
+        ParamIo<TP, true>(c, 4), in<float>(c, 2), in<float>(c, 3));
   }
-};
-
-// ---------------------------------------------------------------------------------------------
-// NovoGrad
-// ---------------------------------------------------------------------------------------------
-
-struct NovoGradScalars {
-  float lr;
-  float beta1;
-  float beta3;
-  float eps;
-  float weight_decay;
-  float bc1;
-  float bc2;
-  bool reg_inside_moment;
-  const float* v;
-  const float* inv_scale;
-  const float* found_inf;
 };
 
 template <typename TP, typename TG>
 struct NovoGradOp {
-  NovoGradScalars s;
+  NovoGradArgs s;
 
   __device__ void operator()(const Chunk<4>& c) const {
-    if (skip_step(s.found_inf)) return;
-    const float d = s.v[c.tensor] / s.bc2 + s.eps;
-    const float g_scale = value_or(s.inv_scale, 1.0f);
-
-    TP* p = c.ptr<TP>(0);
-    const TG* g = c.ptr<const TG>(1);
-    float* m = c.ptr<float>(2);
-    float* master = c.ptr<float>(3);
-    const bool aligned = detail::is_aligned(p) && detail::is_aligned(g) && detail::is_aligned(m) &&
-                         detail::is_aligned(master);
-    detail::for_each_frame(c.n, aligned, [&](const Frame& f) {
-      float rp[kILP];
-      float rg[kILP];
-      float rm[kILP];
-      load_param(rp, p, master, f);
-      detail::load(rg, g, f);
-      detail::load(rm, m, f);
-#pragma unroll
-      for (int i = 0; i < kILP; ++i) {
-        float gi = rg[i] * g_scale;
-        const float pi = rp[i];
-        if (s.reg_inside_moment) {
-          gi = gi / d;
-          if (s.weight_decay != 0.0f) gi = gi + s.weight_decay * pi;
-          rm[i] = s.beta1 * rm[i] + s.beta3 * gi;
-          rp[i] = pi - s.lr * (rm[i] / s.bc1);
-        } else {
-          rm[i] = s.beta1 * rm[i] + s.beta3 * gi;
-          float update = (rm[i] / s.bc1) / d;
-          if (s.weight_decay != 0.0f) update = update + s.weight_decay * pi;
-          rp[i] = pi - s.lr * update;
-        }
-      }
-      store_param(p, master, rp, f);
-      detail::store(m, rm, f);
-    });
+    if (skip_step(s.amp)) return;
+    const float d = s.v[c.tensor] / s.bias_correction2 + s.eps;
+    const float g_scale = value_or(s.amp.inv_scale, 1.0f);
+    for_each_element(
+        c.n,
+        [&](bool, float& p, float& g, float& m) {
+          float gi = g * g_scale;
+          const float pi = p;
+          if (s.reg_inside_moment) {
+            gi = gi / d;
+            if (s.weight_decay != 0.0f) gi = gi + s.weight_decay * pi;
+            m = s.beta1 * m + s.beta3 * gi;
+            p = pi - s.lr * (m / s.bias_correction1);
+          } else {
+            m = s.beta1 * m + s.beta3 * gi;
+            float update = (m / s.bias_correction1) / d;
+            if (s.weight_decay != 0.0f) update = update + s.weight_decay * pi;
+            p = pi - s.lr * update;
+          }
+        },
+        ParamIo<TP, true>(c, 3), in<TG>(c, 1), in_out<float>(c, 2));
   }
 };
+
+/// Runs Op<TP, TG>{fields...} on lists 0..Depth-1, TP and TG the storage types of lists 0 and 1.
+template <template <typename, typename> class Op, int Depth, typename... Fields>
+void apply_pg(const char* name, const TensorLists& lists, void* stream, const Fields&... fields) {
+  detail::dispatch_dtypes(name, lists.dtype[0], lists.dtype[1], [&](auto tp, auto tg) {
+    using TP = typename decltype(tp)::type;
+    using TG = typename decltype(tg)::type;
+    detail::apply<Depth>(name, lists, Op<TP, TG>{fields...}, as_stream(stream));
+  });
+}
 
 }  // namespace
 
@@ -708,30 +604,15 @@ void adam(const TensorLists& lists, const AdamArgs& args, void* stream) {
   constexpr const char* kName = "apex::kernels::cuda::adam";
   if (lists.num_tensors == 0) return;
   detail::check_lists(kName, lists, 5, {0, 1, 2, 3}, {2, 3, 4});
-  AdamScalars s = {};
-  s.lr = args.lr;
-  s.beta1 = args.beta1;
-  s.beta2 = args.beta2;
-  s.eps = args.eps;
-  s.weight_decay = args.weight_decay;
   const double bc1 = bias_correction(args.bias_correction, args.beta1, args.step);
   const double bc2 = bias_correction(args.bias_correction, args.beta2, args.step);
-  s.bc1 = static_cast<float>(bc1);
-  s.bc2 = static_cast<float>(bc2);
-  s.step_size = static_cast<float>(args.lr / bc1);
-  s.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  s.decay = static_cast<float>(1.0 - static_cast<double>(args.lr) * args.weight_decay);
-  s.adam_w_mode = args.adam_w_mode;
-  s.bias_correction = args.bias_correction;
-  s.lr_ptr = args.lr_ptr;
-  s.step_ptr = args.step_ptr;
-  s.inv_scale = args.amp.inv_scale;
-  s.found_inf = args.amp.found_inf;
-  detail::dispatch_dtypes(kName, lists.dtype[0], lists.dtype[1], [&](auto tp, auto tg) {
-    using TP = typename decltype(tp)::type;
-    using TG = typename decltype(tg)::type;
-    detail::apply<5>(kName, lists, AdamOp<TP, TG>{s}, as_stream(stream));
-  });
+  AdamHost h = {};
+  h.bc1 = static_cast<float>(bc1);
+  h.bc2 = static_cast<float>(bc2);
+  h.step_size = static_cast<float>(args.lr / bc1);
+  h.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  h.decay = static_cast<float>(1.0 - static_cast<double>(args.lr) * args.weight_decay);
+  apply_pg<AdamOp, 5>(kName, lists, stream, args, h);
 }
 
 void sgd(const TensorLists& lists, const SgdArgs& args, void* stream) {
@@ -741,66 +622,21 @@ void sgd(const TensorLists& lists, const SgdArgs& args, void* stream) {
   if (args.momentum != 0.0f && lists.ptrs[2] == nullptr) {
     detail::fail(kName, "list 2 (momentum buffer) is required when momentum != 0");
   }
-  SgdScalars s = {};
-  s.lr = args.lr;
-  s.momentum = args.momentum;
-  s.dampening = args.dampening;
-  s.weight_decay = args.weight_decay;
-  s.nesterov = args.nesterov;
-  s.wd_after_momentum = args.wd_after_momentum;
-  s.first_run = args.first_run;
-  s.inv_scale = args.amp.inv_scale;
-  s.found_inf = args.amp.found_inf;
-  detail::dispatch_dtypes(kName, lists.dtype[0], lists.dtype[1], [&](auto tp, auto tg) {
-    using TP = typename decltype(tp)::type;
-    using TG = typename decltype(tg)::type;
-    detail::apply<4>(kName, lists, SgdOp<TP, TG>{s}, as_stream(stream));
-  });
+  apply_pg<SgdOp, 4>(kName, lists, stream, args);
 }
 
 void adagrad(const TensorLists& lists, const AdagradArgs& args, void* stream) {
   constexpr const char* kName = "apex::kernels::cuda::adagrad";
   if (lists.num_tensors == 0) return;
   detail::check_lists(kName, lists, 4, {0, 1, 2}, {2, 3});
-  AdagradScalars s = {};
-  s.lr = args.lr;
-  s.eps = args.eps;
-  s.weight_decay = args.weight_decay;
-  s.decay = args.adagrad_w_mode
-                ? static_cast<float>(1.0 - static_cast<double>(args.lr) * args.weight_decay)
-                : 1.0f;
-  s.adagrad_w_mode = args.adagrad_w_mode;
-  s.inv_scale = args.amp.inv_scale;
-  s.found_inf = args.amp.found_inf;
-  detail::dispatch_dtypes(kName, lists.dtype[0], lists.dtype[1], [&](auto tp, auto tg) {
-    using TP = typename decltype(tp)::type;
-    using TG = typename decltype(tg)::type;
-    detail::apply<4>(kName, lists, AdagradOp<TP, TG>{s}, as_stream(stream));
-  });
+  const float decay =
+      args.adagrad_w_mode
+          ? static_cast<float>(1.0 - static_cast<double>(args.lr) * args.weight_decay)
+          : 1.0f;
+  apply_pg<AdagradOp, 4>(kName, lists, stream, args, decay);
 }
 
 namespace {
-
-LambScalars lamb_scalars(const LambArgs& args) {
-  LambScalars s = {};
-  s.lr = args.lr;
-  s.beta1 = args.beta1;
-  s.beta2 = args.beta2;
-  s.beta3 = args.beta3;
-  s.eps = args.eps;
-  s.weight_decay = args.weight_decay;
-  s.bc1 = args.bias_correction1;
-  s.bc2 = args.bias_correction2;
-  s.max_grad_norm = args.max_grad_norm;
-  s.adam_w_mode = args.adam_w_mode;
-  s.use_nvlamb = args.use_nvlamb;
-  s.global_grad_norm = args.global_grad_norm;
-  s.u_sumsq = args.u_sumsq;
-  s.p_sumsq = args.p_sumsq;
-  s.inv_scale = args.amp.inv_scale;
-  s.found_inf = args.amp.found_inf;
-  return s;
-}
 
 void check_lamb_sums(const char* name, const LambArgs& args) {
   if (args.u_sumsq == nullptr || args.p_sumsq == nullptr) {
@@ -818,12 +654,7 @@ void lamb_stage1(const TensorLists& lists, const LambArgs& args, void* stream) {
   if (args.max_grad_norm > 0.0f && args.global_grad_norm == nullptr) {
     detail::fail(kName, "global_grad_norm is required when max_grad_norm > 0");
   }
-  const LambScalars s = lamb_scalars(args);
-  detail::dispatch_dtypes(kName, lists.dtype[0], lists.dtype[1], [&](auto tp, auto tg) {
-    using TP = typename decltype(tp)::type;
-    using TG = typename decltype(tg)::type;
-    detail::apply<5>(kName, lists, LambStage1Op<TP, TG>{s}, as_stream(stream));
-  });
+  apply_pg<LambStage1Op, 5>(kName, lists, stream, args);
 }
 
 void lamb_stage2(const TensorLists& lists, const LambArgs& args, void* stream) {
@@ -831,10 +662,9 @@ void lamb_stage2(const TensorLists& lists, const LambArgs& args, void* stream) {
   if (lists.num_tensors == 0) return;
   detail::check_lists(kName, lists, 5, {0, 2, 3}, {2, 3, 4});
   check_lamb_sums(kName, args);
-  const LambScalars s = lamb_scalars(args);
   detail::dispatch_dtype(kName, lists.dtype[0], [&](auto tp) {
     using TP = typename decltype(tp)::type;
-    detail::apply<5>(kName, lists, LambStage2Op<TP>{s}, as_stream(stream));
+    detail::apply<5>(kName, lists, LambStage2Op<TP>{args}, as_stream(stream));
   });
 }
 
@@ -843,23 +673,7 @@ void novograd(const TensorLists& lists, const NovoGradArgs& args, void* stream) 
   if (lists.num_tensors == 0) return;
   detail::check_lists(kName, lists, 4, {0, 1, 2}, {2, 3});
   if (args.v == nullptr) detail::fail(kName, "v is required");
-  NovoGradScalars s = {};
-  s.lr = args.lr;
-  s.beta1 = args.beta1;
-  s.beta3 = args.beta3;
-  s.eps = args.eps;
-  s.weight_decay = args.weight_decay;
-  s.bc1 = args.bias_correction1;
-  s.bc2 = args.bias_correction2;
-  s.reg_inside_moment = args.reg_inside_moment;
-  s.v = args.v;
-  s.inv_scale = args.amp.inv_scale;
-  s.found_inf = args.amp.found_inf;
-  detail::dispatch_dtypes(kName, lists.dtype[0], lists.dtype[1], [&](auto tp, auto tg) {
-    using TP = typename decltype(tp)::type;
-    using TG = typename decltype(tg)::type;
-    detail::apply<4>(kName, lists, NovoGradOp<TP, TG>{s}, as_stream(stream));
-  });
+  apply_pg<NovoGradOp, 4>(kName, lists, stream, args);
 }
 
 }  // namespace apex::kernels::cuda
