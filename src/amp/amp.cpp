@@ -330,9 +330,10 @@ bool AmpState::step(const std::vector<size_t>& indices) {
       e.skipped += 1;
       all_stepped = false;
     } else if (e.deferred_inv.defined()) {
+      // The kernel does not write the gradients: they stay scaled, and deferred_inv stays as the
+      // marker, so a backward that accumulates onto them without zero_grad() unscales them first.
       static_cast<optim::FusedOptimizer*>(e.optimizer)
           ->step(optim::GradScaling{e.deferred_inv, at::Tensor()});
-      e.deferred_inv = at::Tensor();
     } else {
       e.optimizer->step();
       copy_masters_to_model(e);

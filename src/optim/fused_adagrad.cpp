@@ -74,6 +74,12 @@ FusedAdagrad::FusedAdagrad(const std::vector<torch::optim::OptimizerParamGroup>&
   for (const auto& g : param_groups_) validate(options_of(g));
 }
 
+std::vector<at::Tensor> FusedAdagrad::elementwise_state(
+    const torch::optim::OptimizerParamState& state) const {
+  const auto& s = static_cast<const FusedAdagradParamState&>(state);
+  return {s.sum(), s.master_param()};
+}
+
 bool FusedAdagrad::set_grad_none() const {
   return static_cast<const FusedAdagradOptions&>(defaults()).set_grad_none();
 }
@@ -183,6 +189,8 @@ void FusedAdagrad::load_python_state_dict(const StateDict& layout) {
         states.emplace_back(p, std::move(st));
       });
   for (size_t gi = 0; gi < opts.size(); ++gi) param_groups_[gi].set_options(std::move(opts[gi]));
+  // As Python's load_state_dict: the loaded state replaces all of it.
+  state_.clear();
   for (auto& [p, st] : states) state_[p.unsafeGetTensorImpl()] = std::move(st);
 }
 

@@ -82,6 +82,12 @@ FusedAdam::FusedAdam(const std::vector<torch::optim::OptimizerParamGroup>& param
   for (const auto& g : param_groups_) validate(options_of(g));
 }
 
+std::vector<at::Tensor> FusedAdam::elementwise_state(
+    const torch::optim::OptimizerParamState& state) const {
+  const auto& s = static_cast<const FusedAdamParamState&>(state);
+  return {s.exp_avg(), s.exp_avg_sq(), s.master_param()};
+}
+
 bool FusedAdam::set_grad_none() const {
   return static_cast<const FusedAdamOptions&>(defaults()).set_grad_none();
 }
@@ -133,9 +139,16 @@ void FusedAdam::fused_step(const GradScaling& scaling) {
     args.step_ptr = step.data_ptr<float>();
     if (o.capturable()) {
       if (lrs_.size() <= gi) lrs_.resize(gi + 1);
+      if (lr_seen_.size() <= gi) lr_seen_.resize(gi + 1, -1.0);
       at::Tensor& lr = lrs_[gi];
       if (!lr.defined() || lr.device() != device) {
         lr = at::full({1}, o.lr(), at::TensorOptions().dtype(at::kFloat).device(device));
+        lr_seen_[gi] = o.lr();
+      } else if (o.lr() != lr_seen_[gi]) {
+        // A scheduler changed the options: that wins over the device value. Between graph
+        // replays, write lr_tensor() instead.
+        lr.fill_(o.lr());
+        lr_seen_[gi] = o.lr();
       }
       args.lr_ptr = lr.data_ptr<float>();
     }
@@ -186,6 +199,7 @@ void FusedAdam::sync_steps_to_state() const {
 void FusedAdam::sync_steps_from_state() {
   steps_.assign(param_groups_.size(), at::Tensor());
   lrs_.clear();
+  lr_seen_.clear();
   for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
     int64_t n = -1;
     c10::Device device = c10::kCPU;
@@ -259,7 +273,15 @@ void FusedAdam::load_python_state_dict(const StateDict& layout) {
                     ": 'betas' must be a tuple");
         const auto& b = g.at("betas").toTupleRef().elements();
         TORCH_CHECK(b.size() == 2, who, ": 'betas' must have two elements, got ", b.size());
-        o->betas({b[0].toDouble(), b[1].toDouble()});
+        auto beta = [&](size_t k) {
+          const c10::IValue& v = b[k];
+          if (v.isDouble()) return v.toDouble();
+          if (v.isInt()) return static_cast<double>(v.toInt());
+          TORCH_CHECK(v.isTensor() && v.toTensor().numel() == 1, who, ": betas[", k,
+                      "] must be a number, got ", v.tagKind());
+          return v.toTensor().item<double>();
+        };
+        o->betas({beta(0), beta(1)});
         o->eps(detail::number_at(g, "eps", who));
         o->weight_decay(detail::number_at(g, "weight_decay", who));
         TORCH_CHECK(!detail::bool_or(g, "amsgrad", false), who,
@@ -276,6 +298,8 @@ void FusedAdam::load_python_state_dict(const StateDict& layout) {
         states.emplace_back(p, std::move(st));
       });
   for (size_t gi = 0; gi < opts.size(); ++gi) param_groups_[gi].set_options(std::move(opts[gi]));
+  // As Python's load_state_dict: the loaded state replaces all of it.
+  state_.clear();
   for (auto& [p, st] : states) state_[p.unsafeGetTensorImpl()] = std::move(st);
   sync_steps_from_state();
 }

@@ -83,6 +83,12 @@ FusedLAMB::FusedLAMB(const std::vector<torch::optim::OptimizerParamGroup>& param
   for (const auto& g : param_groups_) validate(options_of(g));
 }
 
+std::vector<at::Tensor> FusedLAMB::elementwise_state(
+    const torch::optim::OptimizerParamState& state) const {
+  const auto& s = static_cast<const FusedLAMBParamState&>(state);
+  return {s.exp_avg(), s.exp_avg_sq(), s.master_param()};
+}
+
 bool FusedLAMB::set_grad_none() const {
   return static_cast<const FusedLAMBOptions&>(defaults()).set_grad_none();
 }

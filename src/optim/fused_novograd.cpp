@@ -57,7 +57,12 @@ void FusedNovoGradOptions::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, reg_inside_moment);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, grad_averaging);
   c10::IValue norm;
-  if (archive.try_read("norm_type", norm)) norm_type(static_cast<NovoGradNorm>(norm.toInt()));
+  if (archive.try_read("norm_type", norm)) {
+    TORCH_CHECK(norm.isInt() && (norm.toInt() == 0 || norm.toInt() == 1),
+                "FusedNovoGradOptions: norm_type in the archive must be 0 (L2) or 1 (inf), got ",
+                norm);
+    norm_type(static_cast<NovoGradNorm>(norm.toInt()));
+  }
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, init_zero);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, set_grad_none);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, master_weights);
@@ -82,6 +87,12 @@ FusedNovoGrad::FusedNovoGrad(const std::vector<torch::optim::OptimizerParamGroup
     : FusedOptimizer(param_groups, std::make_unique<FusedNovoGradOptions>(defaults)) {
   validate(defaults);
   for (const auto& g : param_groups_) validate(options_of(g));
+}
+
+std::vector<at::Tensor> FusedNovoGrad::elementwise_state(
+    const torch::optim::OptimizerParamState& state) const {
+  const auto& s = static_cast<const FusedNovoGradParamState&>(state);
+  return {s.exp_avg(), s.master_param()};
 }
 
 bool FusedNovoGrad::set_grad_none() const {

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <map>
+#include <unordered_map>
 #include <utility>
 
 #include "optim/lists.h"
@@ -60,11 +61,17 @@ void FusedOptimizer::load_python_state_dict(const StateDict& /*state*/) {
 
 std::vector<std::vector<FusedOptimizer::Entry>> FusedOptimizer::collect(const char* who) const {
   std::vector<std::vector<Entry>> out(param_groups_.size());
+  std::unordered_map<const void*, std::pair<size_t, size_t>> seen;
   for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
     const auto& params = param_groups_[gi].params();
     std::optional<c10::Device> device;
     for (size_t i = 0; i < params.size(); ++i) {
       const at::Tensor& p = params[i];
+      // The same tensor twice would be updated by two threads at once within one kernel call.
+      const auto [it, fresh] = seen.emplace(p.unsafeGetTensorImpl(), std::make_pair(gi, i));
+      TORCH_CHECK(fresh, who, ": parameter ", i, " of group ", gi,
+                  " is the same tensor as parameter ", it->second.second, " of group ",
+                  it->second.first, "; each parameter may appear only once");
       const at::Tensor& g = p.grad();
       if (!g.defined()) continue;
       TORCH_CHECK(!g.is_sparse(), who, ": sparse gradients are not supported (parameter ", i,
@@ -86,6 +93,14 @@ std::vector<std::vector<FusedOptimizer::Entry>> FusedOptimizer::collect(const ch
       TORCH_CHECK(g.strides() == p.strides(), who, ": the gradient of parameter ", i, " of group ",
                   gi, " has strides ", g.strides(), " but the parameter has ", p.strides(),
                   " (make the gradient contiguous like its parameter)");
+      auto st = state_.find(p.unsafeGetTensorImpl());
+      if (st != state_.end()) {
+        for (const at::Tensor& t : elementwise_state(*st->second)) {
+          TORCH_CHECK(!t.defined() || t.sizes() == p.sizes(), who, ": the state of parameter ", i,
+                      " of group ", gi, " has shape ", t.sizes(), " but the parameter has shape ",
+                      p.sizes(), " (was the state loaded from another model?)");
+        }
+      }
       out[gi].push_back({p, g});
     }
   }
@@ -111,7 +126,8 @@ bool FusedOptimizer::found_inf_on_host(const at::Tensor& found_inf) {
 
 at::Tensor FusedOptimizer::on(const at::Tensor& t, c10::Device device) {
   if (!t.defined() || t.device() == device) return t;
-  return t.to(device, /*non_blocking=*/true);
+  // A CPU kernel dereferences these at once: only a copy to a device may be asynchronous.
+  return t.to(device, /*non_blocking=*/!device.is_cpu());
 }
 
 }  // namespace apex::optim

@@ -67,6 +67,12 @@ FusedSGD::FusedSGD(const std::vector<torch::optim::OptimizerParamGroup>& param_g
   for (const auto& g : param_groups_) validate(options_of(g));
 }
 
+std::vector<at::Tensor> FusedSGD::elementwise_state(
+    const torch::optim::OptimizerParamState& state) const {
+  const auto& s = static_cast<const FusedSGDParamState&>(state);
+  return {s.momentum_buffer(), s.master_param()};
+}
+
 bool FusedSGD::set_grad_none() const {
   return static_cast<const FusedSGDOptions&>(defaults()).set_grad_none();
 }
@@ -193,6 +199,8 @@ void FusedSGD::load_python_state_dict(const StateDict& layout) {
         states.emplace_back(p, std::move(st));
       });
   for (size_t gi = 0; gi < opts.size(); ++gi) param_groups_[gi].set_options(std::move(opts[gi]));
+  // As Python's load_state_dict: the loaded state replaces all of it.
+  state_.clear();
   for (auto& [p, st] : states) state_[p.unsafeGetTensorImpl()] = std::move(st);
 }
 

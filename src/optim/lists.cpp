@@ -102,6 +102,9 @@ at::Tensor zeros_state(const at::Tensor& param) {
 }
 
 at::Tensor conform_state(const at::Tensor& t, const at::Tensor& param) {
+  TORCH_CHECK(t.sizes() == param.sizes(), "optimizer state of shape ", t.sizes(),
+              " does not fit its parameter of shape ", param.sizes(),
+              " (was the state loaded from another model?)");
   if (t.scalar_type() == at::kFloat && t.device() == param.device() &&
       t.strides() == param.strides() && t.sizes() == param.sizes()) {
     return t;

@@ -350,5 +350,69 @@ TEST(FusedAdam, BadInputClearMessagesAndNothingChanges) {
                           "all parameters of group 0 must be on one device, got cpu and meta"));
 }
 
+// A scheduler writing the options' lr is honoured in capturable mode too.
+TEST(FusedAdam, CapturableFollowsOptionLr) {
+  auto a = make_params({64}, at::kFloat, 3);
+  FusedAdam opt(a, FusedAdamOptions(1e-3).capturable(true));
+  set_grads(a, 0, 1);
+  opt.step();
+  opt.param_groups()[0].options().set_lr(0.0);
+  const auto before = snapshot(a);
+  set_grads(a, 1, 1);
+  opt.step();
+  EXPECT_TRUE(lists_equal(a, before));
+  EXPECT_EQ(opt.lr_tensor(0).item<float>(), 0.0f);
+}
+
+// State that does not fit its parameter (e.g. loaded from another model) is an error before any
+// parameter or counter changes, not halfway through a step.
+TEST(FusedAdam, MisfitStateFailsBeforeAnythingChanges) {
+  auto p = make_params({8, 5}, at::kFloat, 2);
+  FusedAdam opt(p, FusedAdamOptions(1e-3));
+  set_grads(p, 0, 1);
+  opt.step();
+  static_cast<FusedAdamParamState&>(*opt.state().at(p[1].unsafeGetTensorImpl()))
+      .exp_avg(at::zeros({3}));
+  const auto before = snapshot(p);
+  set_grads(p, 1, 1);
+  EXPECT_TRUE(throws_with([&] { opt.step(); },
+                          "the state of parameter 1 of group 0 has shape [3] but the parameter "
+                          "has shape [5]"));
+  EXPECT_TRUE(lists_equal(p, before));
+  EXPECT_EQ(opt.step_count(0), 1);
+}
+
+TEST(FusedAdam, SameTensorTwiceIsAnError) {
+  auto p = make_params({4}, at::kFloat, 1);
+  set_grads(p, 0, 1);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{p[0]});
+  groups.emplace_back(std::vector<at::Tensor>{p[0]});
+  FusedAdam opt(groups);
+  EXPECT_TRUE(throws_with([&] { opt.step(); },
+                          "parameter 0 of group 1 is the same tensor as parameter 0 of group 0"));
+}
+
+// Python's load_state_dict replaces the whole state; integer betas (Python allows them) load.
+TEST(FusedAdam, PythonLoadReplacesStateAndAcceptsIntegerBetas) {
+  auto p = make_params({3, 4}, at::kFloat, 5);
+  FusedAdam donor(std::vector<at::Tensor>{p[0], p[1]});
+  p[0].mutable_grad() = at::ones({3});
+  donor.step();  // only parameter 0 has state
+  StateDict layout = donor.python_state_dict();
+  auto g0 = layout.at("param_groups").toList().get(0).toGenericDict();
+  g0.insert_or_assign("betas", c10::ivalue::Tuple::create(int64_t{0}, 0.99));
+  auto q = copies(p, at::kFloat);
+  FusedAdam opt(q);
+  set_grads(q, 0, 1);
+  opt.step();  // both parameters have state now
+  opt.load_python_state_dict(layout);
+  EXPECT_EQ(opt.state().size(), 1u);
+  EXPECT_EQ(opt.state().count(q[1].unsafeGetTensorImpl()), 0u);
+  const auto betas = static_cast<FusedAdamOptions&>(opt.param_groups()[0].options()).betas();
+  EXPECT_EQ(std::get<0>(betas), 0.0);
+  EXPECT_EQ(std::get<1>(betas), 0.99);
+}
+
 }  // namespace
 }  // namespace apex::test

@@ -190,6 +190,29 @@ TEST(OptimWithAmp, UnscaleInOptimizerIsBitIdentical) {
   }
 }
 
+// Without zero_grad() between steps the gradients accumulate across the step; the ones a fused
+// kernel left scaled must be unscaled before that.
+TEST(OptimWithAmp, UnscaleInOptimizerAccumulatesAcrossStepsCorrectly) {
+  auto run = [](bool in_kernel) {
+    torch::manual_seed(8);
+    Mlp model(16, 32, 4);
+    FusedAdam opt(model->parameters(), FusedAdamOptions(1e-2));
+    auto amp = apex::amp::initialize(model, opt,
+                                     quiet(OptLevel::O1)
+                                         .half_dtype(at::kBFloat16)
+                                         .loss_scale(apex::amp::LossScale::dynamic())
+                                         .init_loss_scale(512.0)
+                                         .unscale_in_optimizer(in_kernel));
+    for (int step = 0; step < 4; ++step) {
+      auto batch = blob_batch(step);
+      amp.scale_loss(cross_entropy(amp.forward(model, batch.x), batch.y)).backward();
+      amp.step();  // no zero_grad: gradients keep accumulating
+    }
+    return params_of(model);
+  };
+  EXPECT_TRUE(lists_equal(run(true), run(false)));
+}
+
 // O2 with an fp16 model: an overflowing step is skipped by Amp, and FusedAdam's state and
 // counter do not move.
 TEST(OptimWithAmp, O2OverflowSkipsFusedAdam) {

@@ -85,6 +85,8 @@ class FusedAdam : public FusedOptimizer {
  protected:
   void fused_step(const GradScaling& scaling) override;
   bool set_grad_none() const override;
+  std::vector<at::Tensor> elementwise_state(
+      const torch::optim::OptimizerParamState& state) const override;
 
  private:
   at::Tensor& step_tensor(size_t group, c10::Device device);
@@ -93,6 +95,7 @@ class FusedAdam : public FusedOptimizer {
 
   std::vector<at::Tensor> steps_;  // per group, fp32 [1] on the group's device
   std::vector<at::Tensor> lrs_;    // per group, capturable mode only
+  std::vector<double> lr_seen_;    // the options' lr when lrs_ was last written
 };
 
 }  // namespace apex::optim

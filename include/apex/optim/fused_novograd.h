@@ -72,6 +72,8 @@ class FusedNovoGrad : public FusedOptimizer {
  protected:
   void fused_step(const GradScaling& scaling) override;
   bool set_grad_none() const override;
+  std::vector<at::Tensor> elementwise_state(
+      const torch::optim::OptimizerParamState& state) const override;
 };
 
 }  // namespace apex::optim

@@ -59,6 +59,12 @@ class FusedOptimizer : public torch::optim::Optimizer {
   /// The update itself; `scaling` tensors are already on the right device or undefined.
   virtual void fused_step(const GradScaling& scaling) = 0;
   virtual bool set_grad_none() const { return true; }
+  /// The state tensors of one parameter that must have its shape; collect() checks them before
+  /// anything changes (state loaded from another model fails there, not halfway through a step).
+  virtual std::vector<at::Tensor> elementwise_state(
+      const torch::optim::OptimizerParamState& /*state*/) const {
+    return {};
+  }
 
   /// A parameter with its gradient.
   struct Entry {

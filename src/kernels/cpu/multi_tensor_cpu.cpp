@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -28,6 +29,10 @@ const IsaTable& select_table() {
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c");
+  if (!want.empty() && want != "baseline" && want != "avx2" && want != "avx512") {
+    std::fprintf(stderr, "apex-cpp: ignoring APEX_CPU_ISA=%s (expected baseline, avx2 or avx512)\n",
+                 forced);
+  }
   if (want == "baseline") return isa_table_baseline();
   if (want == "avx2" && has2) return isa_table_avx2();
   if (want.empty() || want == "avx512") {
