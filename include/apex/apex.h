@@ -8,5 +8,6 @@
 #include <apex/amp/options.h>
 #include <apex/amp/scale_loss.h>
 #include <apex/amp/utils.h>
+#include <apex/normalization.h>
 #include <apex/optim.h>
 #include <apex/serialize.h>

@@ -412,13 +412,122 @@ void novograd_chunk(const Span& s, const NovoGradChunk& a) {
   });
 }
 
+// ---- normalization rows ---------------------------------------------------------------------
+
+float lane_sum(const float* __restrict x, int64_t n) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 16; ++j) acc[j] += x[i + j];
+  }
+  for (; i < n; ++i) acc[0] += x[i];
+  double total = 0.0;
+  for (float a : acc) total += a;
+  return static_cast<float>(total);
+}
+
+// Sum of (x - c)^2: the second pass of a two-pass variance (stable for any mean).
+float lane_centered_sumsq(const float* __restrict x, int64_t n, float c) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 16; ++j) {
+      const float d = x[i + j] - c;
+      acc[j] += d * d;
+    }
+  }
+  for (; i < n; ++i) {
+    const float d = x[i] - c;
+    acc[0] += d * d;
+  }
+  double total = 0.0;
+  for (float a : acc) total += a;
+  return static_cast<float>(total);
+}
+
+void to_float_values(const void* src, DType t, float* dst, int64_t n) {
+  const float* p = load(t, const_cast<void*>(src), dst, n);
+  if (p != dst) std::memcpy(dst, p, static_cast<size_t>(n) * sizeof(float));
+}
+
+void norm_forward_row(const void* x, DType t, const float* w, const float* b, void* y, int64_t cols,
+                      bool rms, float eps, float* scratch, float* mean_out, float* rstd_out) {
+  const float* xf = load(t, const_cast<void*>(x), scratch, cols);
+  const float inv_n = 1.0f / static_cast<float>(cols);
+  const float mean = rms ? 0.0f : lane_sum(xf, cols) * inv_n;
+  const float var = lane_centered_sumsq(xf, cols, mean) * inv_n;
+  const float rstd = 1.0f / __builtin_sqrtf(var + eps);
+  float* __restrict out = t == DType::kFloat32 ? static_cast<float*>(y) : scratch + cols;
+  const float* __restrict in = xf;
+  if (w != nullptr && b != nullptr) {
+    for (int64_t i = 0; i < cols; ++i) out[i] = (in[i] - mean) * rstd * w[i] + b[i];
+  } else if (w != nullptr) {
+    for (int64_t i = 0; i < cols; ++i) out[i] = (in[i] - mean) * rstd * w[i];
+  } else {
+    for (int64_t i = 0; i < cols; ++i) out[i] = (in[i] - mean) * rstd;
+  }
+  store(t, out, y, cols);
+  if (mean_out != nullptr) *mean_out = mean;
+  *rstd_out = rstd;
+}
+
+void norm_backward_row(const void* dy, const void* x, DType t, const float* w, float mean,
+                       float rstd, void* dx, int64_t cols, bool rms, float* scratch, double* dw_acc,
+                       double* db_acc) {
+  const float* __restrict xf = load(t, const_cast<void*>(x), scratch, cols);
+  const float* __restrict dyf = load(t, const_cast<void*>(dy), scratch + cols, cols);
+  float sum_g = 0.0f;
+  float sum_gx = 0.0f;
+  {
+    float acc_g[16] = {};
+    float acc_gx[16] = {};
+    int64_t i = 0;
+    for (; i + 16 <= cols; i += 16) {
+      for (int j = 0; j < 16; ++j) {
+        const float g = dyf[i + j] * (w != nullptr ? w[i + j] : 1.0f);
+        acc_g[j] += g;
+        acc_gx[j] += g * ((xf[i + j] - mean) * rstd);
+      }
+    }
+    for (; i < cols; ++i) {
+      const float g = dyf[i] * (w != nullptr ? w[i] : 1.0f);
+      acc_g[0] += g;
+      acc_gx[0] += g * ((xf[i] - mean) * rstd);
+    }
+    double tg = 0.0;
+    double tgx = 0.0;
+    for (int j = 0; j < 16; ++j) {
+      tg += acc_g[j];
+      tgx += acc_gx[j];
+    }
+    sum_g = static_cast<float>(tg);
+    sum_gx = static_cast<float>(tgx);
+  }
+  const float inv_n = 1.0f / static_cast<float>(cols);
+  const float c_x = sum_gx * inv_n;
+  const float c_0 = rms ? 0.0f : sum_g * inv_n;
+  if (dw_acc != nullptr || db_acc != nullptr) {
+    for (int64_t i = 0; i < cols; ++i) {
+      if (dw_acc != nullptr) dw_acc[i] += static_cast<double>(dyf[i] * ((xf[i] - mean) * rstd));
+      if (db_acc != nullptr) db_acc[i] += static_cast<double>(dyf[i]);
+    }
+  }
+  float* __restrict out = t == DType::kFloat32 ? static_cast<float*>(dx) : scratch + 2 * cols;
+  for (int64_t i = 0; i < cols; ++i) {
+    const float g = dyf[i] * (w != nullptr ? w[i] : 1.0f);
+    const float xh = (xf[i] - mean) * rstd;
+    out[i] = rstd * (g - c_0 - xh * c_x);
+  }
+  store(t, out, dx, cols);
+}
+
 #define APEX_STR_(x) #x
 #define APEX_STR(x) APEX_STR_(x)
 
 const IsaTable kTable = {
-    APEX_STR(APEX_CPU_ISA), scale_chunk,    axpby_chunk, non_finite_chunk, sumsq_chunk,
-    absmax_chunk,           adam_chunk,     sgd_chunk,   adagrad_chunk,    lamb_stage1_chunk,
-    lamb_stage2_chunk,      novograd_chunk,
+    APEX_STR(APEX_CPU_ISA), scale_chunk,    axpby_chunk,     non_finite_chunk, sumsq_chunk,
+    absmax_chunk,           adam_chunk,     sgd_chunk,       adagrad_chunk,    lamb_stage1_chunk,
+    lamb_stage2_chunk,      novograd_chunk, to_float_values, norm_forward_row, norm_backward_row,
 };
 
 }  // namespace

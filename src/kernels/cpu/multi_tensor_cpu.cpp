@@ -42,10 +42,7 @@ const IsaTable& select_table() {
   return isa_table_baseline();
 }
 
-const IsaTable& table() {
-  static const IsaTable& t = select_table();
-  return t;
-}
+const IsaTable& table() { return isa_table(); }
 
 struct Chunk {
   int64_t tensor;
@@ -99,6 +96,11 @@ bool skipped(const AmpArgs& amp) { return amp.found_inf != nullptr && *amp.found
 float inv_of(const AmpArgs& amp) { return amp.inv_scale != nullptr ? *amp.inv_scale : 1.0f; }
 
 }  // namespace
+
+const IsaTable& isa_table() {
+  static const IsaTable& t = select_table();
+  return t;
+}
 
 const char* isa_name() { return table().name; }
 

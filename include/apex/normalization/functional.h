@@ -1,0 +1,24 @@
+#pragma once
+
+/// Functional fused LayerNorm and RMSNorm: one pass per row for the statistics and the output,
+/// one for the gradients; statistics and math in fp32 whatever the storage dtype (fp32, fp16,
+/// bf16). Differentiable with respect to input, weight and bias (double backward is rejected).
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+
+namespace apex::normalization {
+
+/// LayerNorm over the trailing `normalized_shape` dimensions of `input`:
+/// (x - mean) / sqrt(var + eps) * weight + bias; weight and bias may be undefined. The same result
+/// as at::layer_norm. The output has the input's dtype.
+at::Tensor fused_layer_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                            const at::Tensor& weight = {}, const at::Tensor& bias = {},
+                            double eps = 1e-5);
+
+/// RMSNorm over the trailing `normalized_shape` dimensions: x / sqrt(mean(x^2) + eps) * weight;
+/// weight may be undefined. The output has the input's dtype.
+at::Tensor fused_rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                          const at::Tensor& weight = {}, double eps = 1e-5);
+
+}  // namespace apex::normalization

@@ -1,0 +1,49 @@
+#pragma once
+
+#include <apex/normalization/functional.h>
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace apex::normalization {
+
+/// Options of FusedLayerNorm and FusedRMSNorm (apex's names and defaults).
+struct FusedNormOptions {
+  /* implicit */ FusedNormOptions(std::vector<int64_t> normalized_shape)  // NOLINT
+      : normalized_shape_(std::move(normalized_shape)) {}
+  TORCH_ARG(std::vector<int64_t>, normalized_shape);
+  TORCH_ARG(double, eps) = 1e-5;
+  /// Learnable weight (ones) and, for LayerNorm, bias (zeros) of shape normalized_shape.
+  TORCH_ARG(bool, elementwise_affine) = true;
+};
+
+/// LayerNorm over the trailing normalized_shape dimensions, on the fused kernels
+/// (apex.normalization.FusedLayerNorm). `FusedLayerNorm ln(FusedNormOptions({768}));`
+class FusedLayerNormImpl : public torch::nn::Cloneable<FusedLayerNormImpl> {
+ public:
+  explicit FusedLayerNormImpl(FusedNormOptions options);
+  void reset() override;
+  at::Tensor forward(const at::Tensor& input);
+
+  FusedNormOptions options;
+  at::Tensor weight;
+  at::Tensor bias;
+};
+TORCH_MODULE(FusedLayerNorm);
+
+/// RMSNorm over the trailing normalized_shape dimensions (apex.normalization.FusedRMSNorm).
+class FusedRMSNormImpl : public torch::nn::Cloneable<FusedRMSNormImpl> {
+ public:
+  explicit FusedRMSNormImpl(FusedNormOptions options);
+  void reset() override;
+  at::Tensor forward(const at::Tensor& input);
+
+  FusedNormOptions options;
+  at::Tensor weight;
+};
+TORCH_MODULE(FusedRMSNorm);
+
+}  // namespace apex::normalization

@@ -1,0 +1,81 @@
+// CPU driver of the fused norms: rows in parallel on ATen's thread pool, each row by the chunk
+// kernels of the best instruction set (kernels/cpu/isa.h). Weight/bias gradients are summed per
+// fixed block of rows in fp64 and the blocks combined in order: the result does not depend on
+// the thread count.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels/cpu/isa.h"
+#include "kernels/norm.h"
+
+namespace apex::kernels::cpu {
+namespace {
+
+const IsaTable& table() { return isa_table(); }
+
+// The affine parameters as fp32 once per call (empty when absent).
+std::vector<float> to_float(const void* p, DType t, int64_t n) {
+  if (p == nullptr) return {};
+  std::vector<float> out(static_cast<size_t>(n));
+  table().to_float(p, t, out.data(), n);
+  return out;
+}
+
+}  // namespace
+
+void norm_forward(const NormForwardArgs& a) {
+  const std::vector<float> w = to_float(a.w, a.w_dtype, a.cols);
+  const std::vector<float> b = to_float(a.b, a.w_dtype, a.cols);
+  const int64_t elem = a.x_dtype == DType::kFloat32 ? 4 : 2;
+  at::parallel_for(0, a.rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(static_cast<size_t>(2 * a.cols));
+    for (int64_t r = begin; r < end; ++r) {
+      table().norm_forward_row(static_cast<const char*>(a.x) + r * a.cols * elem, a.x_dtype,
+                               w.empty() ? nullptr : w.data(), b.empty() ? nullptr : b.data(),
+                               static_cast<char*>(a.y) + r * a.cols * elem, a.cols, a.rms, a.eps,
+                               scratch.data(), a.rms ? nullptr : a.mean + r, a.rstd + r);
+    }
+  });
+}
+
+void norm_backward(const NormBackwardArgs& a) {
+  const std::vector<float> w = to_float(a.w, a.w_dtype, a.cols);
+  const int64_t elem = a.x_dtype == DType::kFloat32 ? 4 : 2;
+  const bool want_w = a.dw != nullptr;
+  const bool want_b = a.db != nullptr;
+  // Fixed blocks of rows, each with its own fp64 partial sums.
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(a.rows, 32));
+  const int64_t per_block = (a.rows + blocks - 1) / blocks;
+  const size_t cols = static_cast<size_t>(a.cols);
+  std::vector<double> dw_part(want_w ? static_cast<size_t>(blocks) * cols : 0, 0.0);
+  std::vector<double> db_part(want_b ? static_cast<size_t>(blocks) * cols : 0, 0.0);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(3 * cols);
+    for (int64_t blk = begin; blk < end; ++blk) {
+      double* dw_acc = want_w ? dw_part.data() + static_cast<size_t>(blk) * cols : nullptr;
+      double* db_acc = want_b ? db_part.data() + static_cast<size_t>(blk) * cols : nullptr;
+      const int64_t r_end = std::min(a.rows, (blk + 1) * per_block);
+      for (int64_t r = blk * per_block; r < r_end; ++r) {
+        const size_t off = static_cast<size_t>(r * a.cols * elem);
+        table().norm_backward_row(
+            static_cast<const char*>(a.dy) + off, static_cast<const char*>(a.x) + off, a.x_dtype,
+            w.empty() ? nullptr : w.data(), a.rms ? 0.0f : a.mean[r], a.rstd[r],
+            static_cast<char*>(a.dx) + off, a.cols, a.rms, scratch.data(), dw_acc, db_acc);
+      }
+    }
+  });
+  for (size_t c = 0; c < cols; ++c) {
+    double sw = 0.0;
+    double sb = 0.0;
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      if (want_w) sw += dw_part[static_cast<size_t>(blk) * cols + c];
+      if (want_b) sb += db_part[static_cast<size_t>(blk) * cols + c];
+    }
+    if (want_w) a.dw[c] = static_cast<float>(sw);
+    if (want_b) a.db[c] = static_cast<float>(sb);
+  }
+}
+
+}  // namespace apex::kernels::cpu

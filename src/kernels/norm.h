@@ -1,0 +1,57 @@
+// Kernel interface of the fused LayerNorm / RMSNorm. Plain structs: the host layer
+// (src/normalization) checks tensors and calls the CPU backend (namespace kernels::cpu) or,
+// later, the CUDA backend with the same declarations. Rows are contiguous; math is in fp32.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/multi_tensor.h"
+
+namespace apex::kernels {
+
+/// y = (x - mean) * rstd * w + b per row (LayerNorm), or x * rstd * w (RMSNorm, no mean).
+/// mean (LayerNorm only) and rstd are written per row in fp32.
+struct NormForwardArgs {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  bool rms = false;
+  float eps = 1e-5f;
+  DType x_dtype = DType::kFloat32;  ///< x and y
+  DType w_dtype = DType::kFloat32;  ///< w and b
+  const void* x = nullptr;
+  const void* w = nullptr;  ///< null: no affine weight
+  const void* b = nullptr;  ///< null: no bias
+  void* y = nullptr;
+  float* mean = nullptr;  ///< [rows]; unused for RMSNorm
+  float* rstd = nullptr;  ///< [rows]
+};
+
+/// Gradients of the forward above from dy and the saved x, mean, rstd:
+///   x_hat = (x - mean) * rstd;  g = dy * w
+///   LayerNorm: dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))
+///   RMSNorm:   dx = rstd * (g - x_hat * mean(g * x_hat))
+///   dw = sum over rows of dy * x_hat;  db = sum over rows of dy
+/// dw/db are fp32 [cols] (null when not wanted); partial sums per thread are combined in a fixed
+/// order, so results do not depend on scheduling.
+struct NormBackwardArgs {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  bool rms = false;
+  DType x_dtype = DType::kFloat32;  ///< x, dy and dx
+  DType w_dtype = DType::kFloat32;
+  const void* dy = nullptr;
+  const void* x = nullptr;
+  const void* w = nullptr;
+  const float* mean = nullptr;
+  const float* rstd = nullptr;
+  void* dx = nullptr;
+  float* dw = nullptr;
+  float* db = nullptr;
+};
+
+namespace cpu {
+void norm_forward(const NormForwardArgs& args);
+void norm_backward(const NormBackwardArgs& args);
+}  // namespace cpu
+
+}  // namespace apex::kernels

@@ -1,0 +1,51 @@
+#include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
+#include <apex/normalization/fused_layer_norm.h>
+#include <c10/util/Exception.h>
+
+namespace apex::normalization {
+namespace {
+void check_options(const FusedNormOptions& o, const char* who) {
+  TORCH_CHECK(!o.normalized_shape().empty(), who, ": normalized_shape must not be empty");
+  for (int64_t d : o.normalized_shape()) {
+    TORCH_CHECK(d > 0, who, ": normalized_shape must be positive, got ", o.normalized_shape());
+  }
+  TORCH_CHECK(o.eps() > 0, who, ": eps must be > 0, got ", o.eps());
+}
+}  // namespace
+
+FusedLayerNormImpl::FusedLayerNormImpl(FusedNormOptions options_) : options(std::move(options_)) {
+  check_options(options, "FusedLayerNorm");
+  reset();
+}
+
+void FusedLayerNormImpl::reset() {
+  if (options.elementwise_affine()) {
+    weight = register_parameter("weight", at::ones(options.normalized_shape()));
+    bias = register_parameter("bias", at::zeros(options.normalized_shape()));
+  } else {
+    weight = register_parameter("weight", at::Tensor(), /*requires_grad=*/false);
+    bias = register_parameter("bias", at::Tensor(), /*requires_grad=*/false);
+  }
+}
+
+at::Tensor FusedLayerNormImpl::forward(const at::Tensor& input) {
+  return fused_layer_norm(input, options.normalized_shape(), weight, bias, options.eps());
+}
+
+FusedRMSNormImpl::FusedRMSNormImpl(FusedNormOptions options_) : options(std::move(options_)) {
+  check_options(options, "FusedRMSNorm");
+  reset();
+}
+
+void FusedRMSNormImpl::reset() {
+  weight = options.elementwise_affine()
+               ? register_parameter("weight", at::ones(options.normalized_shape()))
+               : register_parameter("weight", at::Tensor(), /*requires_grad=*/false);
+}
+
+at::Tensor FusedRMSNormImpl::forward(const at::Tensor& input) {
+  return fused_rms_norm(input, options.normalized_shape(), weight, options.eps());
+}
+
+}  // namespace apex::normalization

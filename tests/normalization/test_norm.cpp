@@ -1,0 +1,184 @@
+// Fused LayerNorm / RMSNorm (CPU kernels) against at::layer_norm and float64 references:
+// forward, input, weight and bias gradients.
+#include <apex/normalization.h>
+#include <torch/autograd.h>
+
+#include "../common/test_util.h"
+
+namespace apex::test {
+namespace {
+
+using apex::normalization::fused_layer_norm;
+using apex::normalization::fused_rms_norm;
+
+struct Case {
+  std::vector<int64_t> shape;  // input shape; the last `nd` dims are normalized
+  size_t nd;
+};
+
+std::vector<int64_t> tail(const std::vector<int64_t>& s, size_t nd) {
+  return {s.end() - static_cast<std::ptrdiff_t>(nd), s.end()};
+}
+
+// Reference in float64 with LibTorch's autograd: returns {y, dx, dw, db}.
+std::vector<at::Tensor> reference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                                  const at::Tensor& dy, const std::vector<int64_t>& shape,
+                                  double eps, bool rms) {
+  auto xd = x.detach().to(at::kDouble).set_requires_grad(true);
+  auto wd = w.defined() ? w.detach().to(at::kDouble).set_requires_grad(true) : at::Tensor();
+  auto bd = b.defined() ? b.detach().to(at::kDouble).set_requires_grad(true) : at::Tensor();
+  at::Tensor y;
+  if (rms) {
+    std::vector<int64_t> dims;
+    for (int64_t d = xd.dim() - static_cast<int64_t>(shape.size()); d < xd.dim(); ++d) {
+      dims.push_back(d);
+    }
+    y = xd / (xd.square().mean(dims, true) + eps).sqrt();
+    if (wd.defined()) y = y * wd;
+  } else {
+    y = at::layer_norm(xd, shape, wd, bd, eps);
+  }
+  y.backward(dy.to(at::kDouble));
+  return {y.detach(), xd.grad(), wd.defined() ? wd.grad() : at::Tensor(),
+          bd.defined() ? bd.grad() : at::Tensor()};
+}
+
+// Gradient tolerances: sums over many rows/columns in fp32 (weight/bias) need an absolute floor
+// scaled by the number of rows summed.
+void check(const Case& c, at::ScalarType dtype, bool affine, bool rms, bool non_contiguous) {
+  auto gen = at::detail::createCPUGenerator(7);
+  const auto shape = tail(c.shape, c.nd);
+  at::Tensor x = at::randn(c.shape, gen).mul_(2.0).add_(0.5).to(dtype);
+  if (non_contiguous) {
+    // A strided view with the same logical shape: every other row of a taller tensor.
+    auto tall = c.shape;
+    tall[0] *= 2;
+    x = at::randn(tall, gen).to(dtype).slice(0, 0, tall[0], 2);
+  }
+  x.set_requires_grad(true);
+  at::Tensor w, b;
+  if (affine) {
+    w = (at::randn(shape, gen) * 0.5 + 1.0).to(dtype).set_requires_grad(true);
+    if (!rms) b = (at::randn(shape, gen) * 0.1).to(dtype).set_requires_grad(true);
+  }
+  const at::Tensor dy = at::randn(c.shape, gen).to(dtype);
+  const double eps = 1e-5;
+  at::Tensor y = rms ? fused_rms_norm(x, shape, w, eps) : fused_layer_norm(x, shape, w, b, eps);
+  ASSERT_EQ(y.scalar_type(), dtype);
+  y.backward(dy);
+  const auto ref = reference(x, w, b, dy, shape, eps, rms);
+  const Tolerance tol = tolerance_for(dtype);
+  const std::string what = std::string(rms ? "rms" : "ln") + " " + c10::toString(dtype) +
+                           (affine ? " affine" : "") + (non_contiguous ? " strided" : "");
+  EXPECT_TRUE(all_close(y, ref[0], tol)) << what << " forward";
+  // dx mixes terms that cancel; bf16/fp16 storage of dy/dx rounds them: use the storage tolerance
+  // with a floor from the size of the terms (|dy| ~ 1, rstd ~ 0.5).
+  EXPECT_TRUE(all_close(x.grad(), ref[1], {tol.rtol, std::max(tol.atol, 4 * tol.rtol)}))
+      << what << " dx";
+  if (affine) {
+    const double rows = static_cast<double>(x.numel() / w.numel());
+    const Tolerance sum_tol{tol.rtol, tol.rtol * std::sqrt(rows) * 4};
+    EXPECT_TRUE(all_close(w.grad(), ref[2], sum_tol)) << what << " dw";
+    if (b.defined()) {
+      EXPECT_TRUE(all_close(b.grad(), ref[3], sum_tol)) << what << " db";
+    }
+  }
+}
+
+const std::vector<Case> kCases = {
+    {{32, 16}, 1},  {{1, 1000}, 1}, {{65536, 7}, 1}, {{5, 1}, 1},     {{3, 64}, 1},
+    {{4, 1024}, 1}, {{2, 4096}, 1}, {{2, 12288}, 1}, {{4, 9, 64}, 1}, {{3, 4, 5, 6}, 2},
+};
+
+TEST(FusedNorm, LayerNormMatchesReferenceFp32) {
+  for (const auto& c : kCases) {
+    for (bool affine : {true, false}) check(c, at::kFloat, affine, false, false);
+  }
+}
+
+TEST(FusedNorm, RMSNormMatchesReferenceFp32) {
+  for (const auto& c : kCases) {
+    for (bool affine : {true, false}) check(c, at::kFloat, affine, true, false);
+  }
+}
+
+TEST(FusedNorm, HalfDtypes) {
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    for (bool rms : {false, true}) {
+      for (const Case& c : {Case{{32, 16}, 1}, Case{{64, 1024}, 1}, Case{{3, 7, 64}, 1}}) {
+        check(c, dtype, true, rms, false);
+      }
+    }
+  }
+}
+
+TEST(FusedNorm, NonContiguousInput) {
+  for (bool rms : {false, true}) check({{16, 64}, 1}, at::kFloat, true, rms, true);
+}
+
+// Same numbers as at::layer_norm itself, not just the float64 reference.
+TEST(FusedNorm, LayerNormAgreesWithATen) {
+  auto x = at::randn({33, 257});
+  auto w = at::randn({257});
+  auto b = at::randn({257});
+  EXPECT_TRUE(all_close(fused_layer_norm(x, {257}, w, b), at::layer_norm(x, {257}, w, b),
+                        tolerance_for(at::kFloat)));
+}
+
+TEST(FusedNorm, BadInput) {
+  auto x = at::randn({4, 8});
+  EXPECT_TRUE(throws_with([&] { fused_layer_norm(x, {7}); },
+                          "normalized_shape [7] does not match the trailing dimensions of an "
+                          "input of shape [4, 8]"));
+  EXPECT_TRUE(throws_with([&] { fused_layer_norm(x, {8}, at::ones({4})); },
+                          "weight must have shape [8], got [4]"));
+  EXPECT_TRUE(throws_with([&] { fused_rms_norm(x, {8}, {}, 0.0); }, "eps must be > 0, got 0"));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        fused_layer_norm(at::ones({4, 8}, at::kLong), {8});
+      },
+      "input must be a floating-point tensor, got Long"));
+  EXPECT_TRUE(throws_with(
+      [&] { fused_layer_norm(x, {8}, at::ones({8}, at::TensorOptions().device(at::kMeta))); },
+      "weight is on meta but the input is on cpu"));
+}
+
+TEST(FusedNorm, DoubleBackwardIsRejected) {
+  auto x = at::randn({4, 8}).set_requires_grad(true);
+  auto y = fused_rms_norm(x, {8});
+  EXPECT_TRUE(throws_with(
+      [&] {
+        torch::autograd::grad({y.sum()}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true);
+      },
+      "double backward is not supported"));
+}
+
+// The modules: parameters registered as apex's (ones/zeros), trainable, same math as functional.
+TEST(FusedNorm, ModulesTrainAndMatchFunctional) {
+  apex::normalization::FusedLayerNorm ln(apex::normalization::FusedNormOptions({6, 8}).eps(1e-6));
+  apex::normalization::FusedRMSNorm rms(apex::normalization::FusedNormOptions({8}));
+  EXPECT_EQ(ln->parameters().size(), 2u);
+  EXPECT_EQ(rms->parameters().size(), 1u);
+  auto x = at::randn({3, 6, 8});
+  EXPECT_TRUE(at::equal(ln->forward(x), fused_layer_norm(x, {6, 8}, ln->weight, ln->bias, 1e-6)));
+  torch::optim::SGD opt(rms->parameters(), torch::optim::SGDOptions(0.1));
+  const auto target = at::randn({3, 6, 8});
+  const double first = (rms->forward(x) - target).square().mean().item<double>();
+  for (int i = 0; i < 20; ++i) {
+    opt.zero_grad();
+    (rms->forward(x) - target).square().mean().backward();
+    opt.step();
+  }
+  EXPECT_LT((rms->forward(x) - target).square().mean().item<double>(), first);
+  apex::normalization::FusedLayerNorm plain(
+      apex::normalization::FusedNormOptions({8}).elementwise_affine(false));
+  EXPECT_TRUE(plain->parameters().empty());
+  EXPECT_TRUE(throws_with(
+      [&] {
+        apex::normalization::FusedRMSNorm(apex::normalization::FusedNormOptions({8}).eps(-1));
+      },
+      "FusedRMSNorm: eps must be > 0, got -1"));
+}
+
+}  // namespace
+}  // namespace apex::test
