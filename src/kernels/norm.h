@@ -16,7 +16,8 @@ struct NormForwardArgs {
   int64_t cols = 0;
   bool rms = false;
   float eps = 1e-5f;
-  DType x_dtype = DType::kFloat32;  ///< x and y
+  DType x_dtype = DType::kFloat32;
+  DType y_dtype = DType::kFloat32;  ///< x's dtype, or the parameters' for the mixed variants
   DType w_dtype = DType::kFloat32;  ///< w and b
   const void* x = nullptr;
   const void* w = nullptr;  ///< null: no affine weight
@@ -37,7 +38,8 @@ struct NormBackwardArgs {
   int64_t rows = 0;
   int64_t cols = 0;
   bool rms = false;
-  DType x_dtype = DType::kFloat32;  ///< x, dy and dx
+  DType x_dtype = DType::kFloat32;   ///< x and dx
+  DType dy_dtype = DType::kFloat32;  ///< the forward output's dtype
   DType w_dtype = DType::kFloat32;
   const void* dy = nullptr;
   const void* x = nullptr;

@@ -48,4 +48,25 @@ at::Tensor FusedRMSNormImpl::forward(const at::Tensor& input) {
   return fused_rms_norm(input, options.normalized_shape(), weight, options.eps());
 }
 
+MixedFusedLayerNormImpl::MixedFusedLayerNormImpl(FusedNormOptions options_)
+    : FusedLayerNormImpl(std::move(options_)) {
+  TORCH_CHECK(
+      options.elementwise_affine(),
+      "MixedFusedLayerNorm: elementwise_affine must be true (the mixed variants are affine)");
+}
+
+at::Tensor MixedFusedLayerNormImpl::forward(const at::Tensor& input) {
+  return mixed_fused_layer_norm(input, options.normalized_shape(), weight, bias, options.eps());
+}
+
+MixedFusedRMSNormImpl::MixedFusedRMSNormImpl(FusedNormOptions options_)
+    : FusedRMSNormImpl(std::move(options_)) {
+  TORCH_CHECK(options.elementwise_affine(),
+              "MixedFusedRMSNorm: elementwise_affine must be true (the mixed variants are affine)");
+}
+
+at::Tensor MixedFusedRMSNormImpl::forward(const at::Tensor& input) {
+  return mixed_fused_rms_norm(input, options.normalized_shape(), weight, options.eps());
+}
+
 }  // namespace apex::normalization

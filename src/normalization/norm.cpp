@@ -50,12 +50,15 @@ Geometry check_inputs(const char* who, const at::Tensor& x, at::IntArrayRef shap
 
 struct NormFunction : public torch::autograd::Function<NormFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
-                            const at::Tensor& bias, Geometry g, double eps, bool rms) {
+                            const at::Tensor& bias, Geometry g, double eps, bool rms, bool mixed) {
     // Absent weight/bias arrive as 0-element placeholders (autograd inputs must be defined).
     const at::Tensor x = input.contiguous();
     const at::Tensor w = weight.numel() > 0 ? weight.contiguous() : at::Tensor();
     const at::Tensor b = bias.numel() > 0 ? bias.contiguous() : at::Tensor();
-    at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+    // The mixed variants return the parameters' dtype (apex's MixedFused* definition).
+    at::Tensor y =
+        at::empty_like(x, x.options().dtype(mixed ? weight.scalar_type() : x.scalar_type()),
+                       at::MemoryFormat::Contiguous);
     const auto stat_opts = x.options().dtype(at::kFloat);
     at::Tensor mean = rms ? at::Tensor() : at::empty({g.rows}, stat_opts);
     at::Tensor rstd = at::empty({g.rows}, stat_opts);
@@ -65,6 +68,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     a.rms = rms;
     a.eps = static_cast<float>(eps);
     a.x_dtype = optim::detail::kernel_dtype(x, rms ? "FusedRMSNorm" : "FusedLayerNorm");
+    a.y_dtype = optim::detail::kernel_dtype(y, rms ? "FusedRMSNorm" : "FusedLayerNorm");
     if (w.defined()) a.w_dtype = optim::detail::kernel_dtype(w, "FusedLayerNorm weight");
     if (b.defined()) a.w_dtype = optim::detail::kernel_dtype(b, "FusedLayerNorm bias");
     a.x = x.data_ptr();
@@ -98,7 +102,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     const int64_t rows = ctx->saved_data["rows"].toInt();
     const int64_t cols = ctx->saved_data["cols"].toInt();
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    const at::Tensor dy = grads[0].to(x.scalar_type()).contiguous();
+    const at::Tensor dy = grads[0].contiguous();
     at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
     const auto f32 = x.options().dtype(at::kFloat);
     at::Tensor dw = w.defined() ? at::empty({cols}, f32) : at::Tensor();
@@ -108,6 +112,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     a.cols = cols;
     a.rms = rms;
     a.x_dtype = optim::detail::kernel_dtype(x, "FusedLayerNorm");
+    a.dy_dtype = optim::detail::kernel_dtype(dy, "FusedLayerNorm gradient");
     if (w.defined()) a.w_dtype = optim::detail::kernel_dtype(w, "FusedLayerNorm weight");
     a.dy = dy.data_ptr();
     a.x = x.data_ptr();
@@ -129,16 +134,19 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     if (db.defined()) {
       db = db.view(shape).to(static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt()));
     }
-    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor run(const char* who, const at::Tensor& input, at::IntArrayRef shape,
-               const at::Tensor& weight, const at::Tensor& bias, double eps, bool rms) {
+               const at::Tensor& weight, const at::Tensor& bias, double eps, bool rms,
+               bool mixed = false) {
   const Geometry g = check_inputs(who, input, shape, weight, bias, eps);
+  TORCH_CHECK(!mixed || weight.defined(), who, ": the mixed-dtype variants need a weight");
   if (!input.device().is_cpu()) {
     // CUDA kernels come later: the composite ATen expression, correct but not fused.
-    if (!rms) return at::layer_norm(input, shape, weight, bias, eps);
+    const auto out_dtype = mixed ? weight.scalar_type() : input.scalar_type();
+    if (!rms) return at::layer_norm(input.to(out_dtype), shape, weight, bias, eps);
     std::vector<int64_t> dims;
     for (int64_t d = input.dim() - static_cast<int64_t>(shape.size()); d < input.dim(); ++d) {
       dims.push_back(d);
@@ -146,11 +154,11 @@ at::Tensor run(const char* who, const at::Tensor& input, at::IntArrayRef shape,
     const at::Tensor x = input.to(at::kFloat);
     at::Tensor y = x * (x.square().mean(dims, /*keepdim=*/true) + eps).rsqrt();
     if (weight.defined()) y = y * weight;
-    return y.to(input.scalar_type());
+    return y.to(out_dtype);
   }
   const at::Tensor none = at::empty({0}, input.options());
   return NormFunction::apply(input, weight.defined() ? weight : none, bias.defined() ? bias : none,
-                             g, eps, rms);
+                             g, eps, rms, mixed);
 }
 
 }  // namespace
@@ -163,6 +171,17 @@ at::Tensor fused_layer_norm(const at::Tensor& input, at::IntArrayRef normalized_
 at::Tensor fused_rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
                           const at::Tensor& weight, double eps) {
   return run("fused_rms_norm", input, normalized_shape, weight, at::Tensor(), eps, true);
+}
+
+at::Tensor mixed_fused_layer_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                  const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  return run("mixed_fused_layer_norm", input, normalized_shape, weight, bias, eps, false, true);
+}
+
+at::Tensor mixed_fused_rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                const at::Tensor& weight, double eps) {
+  return run("mixed_fused_rms_norm", input, normalized_shape, weight, at::Tensor(), eps, true,
+             true);
 }
 
 }  // namespace apex::normalization

@@ -180,5 +180,38 @@ TEST(FusedNorm, ModulesTrainAndMatchFunctional) {
       "FusedRMSNorm: eps must be > 0, got -1"));
 }
 
+// Mixed variants: bf16/fp16 input, fp32 parameters, fp32 output; gradients in each tensor's dtype.
+TEST(FusedNorm, MixedVariantsOutputParameterDtype) {
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    for (bool rms : {false, true}) {
+      auto gen = at::detail::createCPUGenerator(3);
+      auto x = at::randn({48, 96}, gen).to(dtype).set_requires_grad(true);
+      auto w = (at::randn({96}, gen) * 0.5 + 1.0).set_requires_grad(true);
+      auto b = rms ? at::Tensor() : (at::randn({96}, gen) * 0.1).set_requires_grad(true);
+      auto y = rms ? apex::normalization::mixed_fused_rms_norm(x, {96}, w)
+                   : apex::normalization::mixed_fused_layer_norm(x, {96}, w, b);
+      ASSERT_EQ(y.scalar_type(), at::kFloat);
+      const auto dy = at::randn({48, 96}, gen);
+      y.backward(dy);
+      const auto ref = reference(x, w, b, dy, {96}, 1e-5, rms);
+      // The input is exactly representable in fp32, so the forward is fp32-accurate.
+      EXPECT_TRUE(all_close(y, ref[0], {1e-5, 1e-5})) << dtype << " rms " << rms;
+      EXPECT_EQ(x.grad().scalar_type(), dtype);
+      EXPECT_TRUE(
+          all_close(x.grad(), ref[1], {tolerance_for(dtype).rtol, 4 * tolerance_for(dtype).rtol}));
+      EXPECT_EQ(w.grad().scalar_type(), at::kFloat);
+      EXPECT_TRUE(all_close(w.grad(), ref[2], {1e-5, 1e-4}));
+    }
+  }
+  apex::normalization::MixedFusedLayerNorm m(apex::normalization::FusedNormOptions({16}));
+  EXPECT_EQ(m->forward(at::randn({2, 16}).to(at::kBFloat16)).scalar_type(), at::kFloat);
+  EXPECT_TRUE(throws_with(
+      [&] {
+        apex::normalization::MixedFusedRMSNorm(
+            apex::normalization::FusedNormOptions({16}).elementwise_affine(false));
+      },
+      "elementwise_affine must be true"));
+}
+
 }  // namespace
 }  // namespace apex::test

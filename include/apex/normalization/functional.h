@@ -21,4 +21,12 @@ at::Tensor fused_layer_norm(const at::Tensor& input, at::IntArrayRef normalized_
 at::Tensor fused_rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
                           const at::Tensor& weight = {}, double eps = 1e-5);
 
+/// apex's mixed-dtype variants: weight (and bias) required, typically fp32 while the input is
+/// fp16/bf16; statistics in fp32 and the output in the weight's dtype.
+at::Tensor mixed_fused_layer_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                  const at::Tensor& weight, const at::Tensor& bias,
+                                  double eps = 1e-5);
+at::Tensor mixed_fused_rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                const at::Tensor& weight, double eps = 1e-5);
+
 }  // namespace apex::normalization

@@ -46,4 +46,21 @@ class FusedRMSNormImpl : public torch::nn::Cloneable<FusedRMSNormImpl> {
 };
 TORCH_MODULE(FusedRMSNorm);
 
+/// apex's MixedFusedLayerNorm: always affine, parameters in fp32 (or whatever dtype they are
+/// given), input usually fp16/bf16, output in the parameters' dtype.
+class MixedFusedLayerNormImpl : public FusedLayerNormImpl {
+ public:
+  explicit MixedFusedLayerNormImpl(FusedNormOptions options);
+  at::Tensor forward(const at::Tensor& input);
+};
+TORCH_MODULE(MixedFusedLayerNorm);
+
+/// apex's MixedFusedRMSNorm: as MixedFusedLayerNorm, for RMSNorm.
+class MixedFusedRMSNormImpl : public FusedRMSNormImpl {
+ public:
+  explicit MixedFusedRMSNormImpl(FusedNormOptions options);
+  at::Tensor forward(const at::Tensor& input);
+};
+TORCH_MODULE(MixedFusedRMSNorm);
+
 }  // namespace apex::normalization

@@ -51,13 +51,13 @@ struct IsaTable {
   void (*to_float)(const void* src, DType t, float* dst, int64_t n);
   /// One row of LayerNorm/RMSNorm forward. w, b: fp32 [cols] or null. scratch: 2*cols floats.
   void (*norm_forward_row)(const void* x, DType t, const float* w, const float* b, void* y,
-                           int64_t cols, bool rms, float eps, float* scratch, float* mean,
+                           DType yt, int64_t cols, bool rms, float eps, float* scratch, float* mean,
                            float* rstd);
   /// One row of the backward; adds dy*x_hat and dy into dw_acc/db_acc (fp64, may be null).
   /// scratch: 3*cols floats.
-  void (*norm_backward_row)(const void* dy, const void* x, DType t, const float* w, float mean,
-                            float rstd, void* dx, int64_t cols, bool rms, float* scratch,
-                            double* dw_acc, double* db_acc);
+  void (*norm_backward_row)(const void* dy, DType dyt, const void* x, DType t, const float* w,
+                            float mean, float rstd, void* dx, int64_t cols, bool rms,
+                            float* scratch, double* dw_acc, double* db_acc);
 };
 
 /// The table of the widest instruction set this CPU has (APEX_CPU_ISA may force a narrower one).

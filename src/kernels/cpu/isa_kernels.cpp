@@ -450,14 +450,15 @@ void to_float_values(const void* src, DType t, float* dst, int64_t n) {
   if (p != dst) std::memcpy(dst, p, static_cast<size_t>(n) * sizeof(float));
 }
 
-void norm_forward_row(const void* x, DType t, const float* w, const float* b, void* y, int64_t cols,
-                      bool rms, float eps, float* scratch, float* mean_out, float* rstd_out) {
+void norm_forward_row(const void* x, DType t, const float* w, const float* b, void* y, DType yt,
+                      int64_t cols, bool rms, float eps, float* scratch, float* mean_out,
+                      float* rstd_out) {
   const float* xf = load(t, const_cast<void*>(x), scratch, cols);
   const float inv_n = 1.0f / static_cast<float>(cols);
   const float mean = rms ? 0.0f : lane_sum(xf, cols) * inv_n;
   const float var = lane_centered_sumsq(xf, cols, mean) * inv_n;
   const float rstd = 1.0f / __builtin_sqrtf(var + eps);
-  float* __restrict out = t == DType::kFloat32 ? static_cast<float*>(y) : scratch + cols;
+  float* __restrict out = yt == DType::kFloat32 ? static_cast<float*>(y) : scratch + cols;
   const float* __restrict in = xf;
   if (w != nullptr && b != nullptr) {
     for (int64_t i = 0; i < cols; ++i) out[i] = (in[i] - mean) * rstd * w[i] + b[i];
@@ -466,16 +467,16 @@ void norm_forward_row(const void* x, DType t, const float* w, const float* b, vo
   } else {
     for (int64_t i = 0; i < cols; ++i) out[i] = (in[i] - mean) * rstd;
   }
-  store(t, out, y, cols);
+  store(yt, out, y, cols);
   if (mean_out != nullptr) *mean_out = mean;
   *rstd_out = rstd;
 }
 
-void norm_backward_row(const void* dy, const void* x, DType t, const float* w, float mean,
-                       float rstd, void* dx, int64_t cols, bool rms, float* scratch, double* dw_acc,
-                       double* db_acc) {
+void norm_backward_row(const void* dy, DType dyt, const void* x, DType t, const float* w,
+                       float mean, float rstd, void* dx, int64_t cols, bool rms, float* scratch,
+                       double* dw_acc, double* db_acc) {
   const float* __restrict xf = load(t, const_cast<void*>(x), scratch, cols);
-  const float* __restrict dyf = load(t, const_cast<void*>(dy), scratch + cols, cols);
+  const float* __restrict dyf = load(dyt, const_cast<void*>(dy), scratch + cols, cols);
   float sum_g = 0.0f;
   float sum_gx = 0.0f;
   {

@@ -29,13 +29,15 @@ void norm_forward(const NormForwardArgs& a) {
   const std::vector<float> w = to_float(a.w, a.w_dtype, a.cols);
   const std::vector<float> b = to_float(a.b, a.w_dtype, a.cols);
   const int64_t elem = a.x_dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t y_elem = a.y_dtype == DType::kFloat32 ? 4 : 2;
   at::parallel_for(0, a.rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(static_cast<size_t>(2 * a.cols));
     for (int64_t r = begin; r < end; ++r) {
       table().norm_forward_row(static_cast<const char*>(a.x) + r * a.cols * elem, a.x_dtype,
                                w.empty() ? nullptr : w.data(), b.empty() ? nullptr : b.data(),
-                               static_cast<char*>(a.y) + r * a.cols * elem, a.cols, a.rms, a.eps,
-                               scratch.data(), a.rms ? nullptr : a.mean + r, a.rstd + r);
+                               static_cast<char*>(a.y) + r * a.cols * y_elem, a.y_dtype, a.cols,
+                               a.rms, a.eps, scratch.data(), a.rms ? nullptr : a.mean + r,
+                               a.rstd + r);
     }
   });
 }
@@ -43,6 +45,7 @@ void norm_forward(const NormForwardArgs& a) {
 void norm_backward(const NormBackwardArgs& a) {
   const std::vector<float> w = to_float(a.w, a.w_dtype, a.cols);
   const int64_t elem = a.x_dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t dy_elem = a.dy_dtype == DType::kFloat32 ? 4 : 2;
   const bool want_w = a.dw != nullptr;
   const bool want_b = a.db != nullptr;
   // Fixed blocks of rows, each with its own fp64 partial sums.
@@ -59,10 +62,11 @@ void norm_backward(const NormBackwardArgs& a) {
       const int64_t r_end = std::min(a.rows, (blk + 1) * per_block);
       for (int64_t r = blk * per_block; r < r_end; ++r) {
         const size_t off = static_cast<size_t>(r * a.cols * elem);
-        table().norm_backward_row(
-            static_cast<const char*>(a.dy) + off, static_cast<const char*>(a.x) + off, a.x_dtype,
-            w.empty() ? nullptr : w.data(), a.rms ? 0.0f : a.mean[r], a.rstd[r],
-            static_cast<char*>(a.dx) + off, a.cols, a.rms, scratch.data(), dw_acc, db_acc);
+        table().norm_backward_row(static_cast<const char*>(a.dy) + r * a.cols * dy_elem, a.dy_dtype,
+                                  static_cast<const char*>(a.x) + off, a.x_dtype,
+                                  w.empty() ? nullptr : w.data(), a.rms ? 0.0f : a.mean[r],
+                                  a.rstd[r], static_cast<char*>(a.dx) + off, a.cols, a.rms,
+                                  scratch.data(), dw_acc, db_acc);
       }
     }
   });
