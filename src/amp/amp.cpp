@@ -8,7 +8,6 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/full.h>
 #include <apex/optim/fused_optimizer.h>
-#include <apex/optim/multi_tensor.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -16,7 +15,6 @@
 #include <algorithm>
 #include <exception>
 #include <iostream>
-#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -232,13 +230,7 @@ void AmpState::post_backward(const std::vector<size_t>& targets, int64_t loss_id
   }
   PendingCheck check{loss_id, targets, {}};
   scalers[static_cast<size_t>(loss_id)].unscale_(to_unscale, check.flags);
-  std::map<std::pair<std::string, int>, std::vector<at::Tensor>> groups;
-  for (const auto& g : to_check) {
-    groups[{g.device().str(), static_cast<int>(g.scalar_type())}].push_back(g);
-  }
-  for (auto& [key, list] : groups) {
-    optim::multi_tensor_check_finite(list, flag_for(check.flags, list.front().device()));
-  }
+  check_finite_(to_check, check.flags);
   for (auto& [slot, g32] : converted) {
     at::Tensor& mg = slot->master.mutable_grad();
     if (mg.defined()) {

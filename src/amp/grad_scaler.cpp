@@ -6,12 +6,9 @@
 #include <ATen/ops/_amp_update_scale.h>
 #include <ATen/ops/full.h>
 #include <apex/optim/fused_optimizer.h>
-#include <apex/optim/multi_tensor.h>
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 #include <torch/optim/optimizer.h>
-
-#include <map>
 
 #include <cmath>
 
@@ -70,6 +67,11 @@ void GradScaler::lazy_init_scale_growth_tracker(c10::Device device) {
       at::full({}, init_growth_tracker_, at::TensorOptions().dtype(at::kInt).device(device));
 }
 
+at::Tensor GradScaler::inv_scale() const {
+  // Reciprocal in double, rounded once to fp32 (as torch does).
+  return scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+}
+
 void GradScaler::check_scale_initialized(const char* fn) const {
   TORCH_CHECK(scale_.defined(), "GradScaler: attempted ", fn,
               "() but the scale is not initialized; call scale(loss) earlier in the iteration");
@@ -124,10 +126,8 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
               "update()");
   TORCH_CHECK(state.stage != Stage::kStepped,
               "GradScaler::unscale_() is being called after step(); call update() first");
-  // Reciprocal in double, rounded once to fp32 (as torch does).
-  const at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
   OptimizerState staged{Stage::kReady, {}};
-  unscale_grads(optimizer, inv_scale, /*allow_fp16=*/false, staged);
+  unscale_grads(optimizer, inv_scale(), /*allow_fp16=*/false, staged);
   state.found_inf_per_device = std::move(staged.found_inf_per_device);
   state.stage = Stage::kUnscaled;
 }
@@ -160,19 +160,14 @@ std::optional<at::Tensor> GradScaler::fused_step(apex::optim::FusedOptimizer& op
   // (no unscale pass), and the kernel unscales them and skips on overflow by itself.
   GradScaling scaling;
   if (state.stage == Stage::kReady) {
-    std::map<std::pair<std::string, int>, std::vector<at::Tensor>> grads;
+    std::vector<at::Tensor> grads;
     for (auto& group : optimizer.param_groups()) {
       for (auto& p : group.params()) {
-        const at::Tensor& g = p.grad();
-        if (!g.defined() || g.is_sparse()) continue;
-        grads[{g.device().str(), static_cast<int>(g.scalar_type())}].push_back(g);
+        if (p.grad().defined() && !p.grad().is_sparse()) grads.push_back(p.grad());
       }
     }
-    for (auto& [key, list] : grads) {
-      apex::optim::multi_tensor_check_finite(
-          list, detail::flag_for(state.found_inf_per_device, list.front().device()));
-    }
-    scaling.inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+    detail::check_finite_(grads, state.found_inf_per_device);
+    scaling.inv_scale = inv_scale();
   }
   TORCH_CHECK(!state.found_inf_per_device.empty(),
               "GradScaler::step: no inf checks were recorded for this optimizer (no parameter "

@@ -2,6 +2,9 @@
 
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/ops/zeros.h>
+#include <apex/optim/multi_tensor.h>
+
+#include "optim/lists.h"
 
 #include <utility>
 
@@ -17,24 +20,17 @@ at::Tensor& flag_for(std::vector<at::Tensor>& flags, c10::Device device) {
 
 void check_and_unscale_(const std::vector<at::Tensor>& tensors, const at::Tensor& inv_scale,
                         std::vector<at::Tensor>& flags) {
-  // Groups keep first-seen order so that results do not depend on hashing.
-  std::vector<std::pair<std::pair<c10::Device, c10::ScalarType>, std::vector<at::Tensor>>> groups;
-  for (const auto& t : tensors) {
-    if (!t.defined()) continue;
-    const auto key = std::make_pair(t.device(), t.scalar_type());
-    auto it = groups.begin();
-    while (it != groups.end() && it->first != key) ++it;
-    if (it == groups.end()) {
-      groups.push_back({key, {}});
-      it = std::prev(groups.end());
-    }
-    it->second.push_back(t);
-  }
-  for (auto& [key, list] : groups) {
-    const c10::Device device = key.first;
+  for (auto& list : optim::detail::by_device_and_dtype(tensors)) {
+    const c10::Device device = list.front().device();
     at::Tensor& flag = flag_for(flags, device);
     at::Tensor inv = inv_scale.device() == device ? inv_scale : inv_scale.to(device);
     at::_amp_foreach_non_finite_check_and_unscale_(list, flag, inv);
+  }
+}
+
+void check_finite_(const std::vector<at::Tensor>& tensors, std::vector<at::Tensor>& flags) {
+  for (const auto& list : optim::detail::by_device_and_dtype(tensors)) {
+    optim::multi_tensor_check_finite(list, flag_for(flags, list.front().device()));
   }
 }
 

@@ -18,6 +18,10 @@ at::Tensor& flag_for(std::vector<at::Tensor>& flags, c10::Device device);
 void check_and_unscale_(const std::vector<at::Tensor>& tensors, const at::Tensor& inv_scale,
                         std::vector<at::Tensor>& flags);
 
+/// As check_and_unscale_, reading only: sets the device's flag when a tensor holds inf/NaN and
+/// leaves the tensors as they are (for kernels that unscale by themselves).
+void check_finite_(const std::vector<at::Tensor>& tensors, std::vector<at::Tensor>& flags);
+
 /// The sum of `flags` on `device` (0 when empty): one tensor, no synchronization.
 at::Tensor sum_flags(const std::vector<at::Tensor>& flags, c10::Device device);
 

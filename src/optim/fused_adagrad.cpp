@@ -15,14 +15,11 @@ namespace {
 constexpr const char* kWho = "FusedAdagrad";
 
 void validate(const FusedAdagradOptions& o) {
-  TORCH_CHECK(o.lr() >= 0, "FusedAdagrad: lr must be >= 0, got ", o.lr());
-  TORCH_CHECK(o.lr_decay() >= 0, "FusedAdagrad: lr_decay must be >= 0, got ", o.lr_decay());
-  TORCH_CHECK(o.weight_decay() >= 0, "FusedAdagrad: weight_decay must be >= 0, got ",
-              o.weight_decay());
-  TORCH_CHECK(o.initial_accumulator_value() >= 0,
-              "FusedAdagrad: initial_accumulator_value must be >= 0, got ",
-              o.initial_accumulator_value());
-  TORCH_CHECK(o.eps() >= 0, "FusedAdagrad: eps must be >= 0, got ", o.eps());
+  detail::check_non_negative(kWho, "lr", o.lr());
+  detail::check_non_negative(kWho, "lr_decay", o.lr_decay());
+  detail::check_non_negative(kWho, "weight_decay", o.weight_decay());
+  detail::check_non_negative(kWho, "initial_accumulator_value", o.initial_accumulator_value());
+  detail::check_non_negative(kWho, "eps", o.eps());
 }
 
 const FusedAdagradOptions& options_of(const torch::optim::OptimizerParamGroup& g) {
@@ -168,8 +165,8 @@ StateDict FusedAdagrad::python_state_dict() const {
 
 void FusedAdagrad::load_python_state_dict(const StateDict& layout) {
   constexpr const char* who = "FusedAdagrad::load_python_state_dict";
-  std::vector<std::unique_ptr<FusedAdagradOptions>> opts;
-  std::vector<std::pair<at::Tensor, std::unique_ptr<FusedAdagradParamState>>> states;
+  LoadedOptions opts;
+  LoadedStates states;
   detail::read_python_layout(
       *this, layout, who,
       [&](size_t gi, const StateDict& g) {
@@ -188,10 +185,7 @@ void FusedAdagrad::load_python_state_dict(const StateDict& layout) {
         st->sum(detail::tensor_at(s, "sum", p, who));
         states.emplace_back(p, std::move(st));
       });
-  for (size_t gi = 0; gi < opts.size(); ++gi) param_groups_[gi].set_options(std::move(opts[gi]));
-  // As Python's load_state_dict: the loaded state replaces all of it.
-  state_.clear();
-  for (auto& [p, st] : states) state_[p.unsafeGetTensorImpl()] = std::move(st);
+  replace_loaded_state(std::move(opts), std::move(states));
 }
 
 }  // namespace apex::optim

@@ -15,13 +15,7 @@ namespace {
 constexpr const char* kWho = "FusedAdam";
 
 void validate(const FusedAdamOptions& o) {
-  TORCH_CHECK(o.lr() >= 0, "FusedAdam: lr must be >= 0, got ", o.lr());
-  TORCH_CHECK(o.eps() >= 0, "FusedAdam: eps must be >= 0, got ", o.eps());
-  const auto [b1, b2] = o.betas();
-  TORCH_CHECK(b1 >= 0 && b1 < 1, "FusedAdam: betas[0] must be in [0, 1), got ", b1);
-  TORCH_CHECK(b2 >= 0 && b2 < 1, "FusedAdam: betas[1] must be in [0, 1), got ", b2);
-  TORCH_CHECK(o.weight_decay() >= 0, "FusedAdam: weight_decay must be >= 0, got ",
-              o.weight_decay());
+  detail::check_adam_style(kWho, o);
   TORCH_CHECK(!o.amsgrad(),
               "FusedAdam: amsgrad is not supported (apex's FusedAdam rejects it "
               "too); use torch::optim::Adam with amsgrad(true)");
@@ -262,8 +256,8 @@ StateDict FusedAdam::python_state_dict() const {
 void FusedAdam::load_python_state_dict(const StateDict& layout) {
   constexpr const char* who = "FusedAdam::load_python_state_dict";
   // Parse into new objects first: a malformed file leaves the optimizer as it was.
-  std::vector<std::unique_ptr<FusedAdamOptions>> opts;
-  std::vector<std::pair<at::Tensor, std::unique_ptr<FusedAdamParamState>>> states;
+  LoadedOptions opts;
+  LoadedStates states;
   detail::read_python_layout(
       *this, layout, who,
       [&](size_t gi, const StateDict& g) {
@@ -297,10 +291,7 @@ void FusedAdam::load_python_state_dict(const StateDict& layout) {
         st->exp_avg_sq(detail::tensor_at(s, "exp_avg_sq", p, who));
         states.emplace_back(p, std::move(st));
       });
-  for (size_t gi = 0; gi < opts.size(); ++gi) param_groups_[gi].set_options(std::move(opts[gi]));
-  // As Python's load_state_dict: the loaded state replaces all of it.
-  state_.clear();
-  for (auto& [p, st] : states) state_[p.unsafeGetTensorImpl()] = std::move(st);
+  replace_loaded_state(std::move(opts), std::move(states));
   sync_steps_from_state();
 }
 

@@ -7,7 +7,6 @@
 #include <torch/serialize/archive.h>
 
 #include <cmath>
-#include <map>
 
 #include "optim/lists.h"
 
@@ -16,15 +15,7 @@ namespace {
 
 constexpr const char* kWho = "FusedLAMB";
 
-void validate(const FusedLAMBOptions& o) {
-  TORCH_CHECK(o.lr() >= 0, "FusedLAMB: lr must be >= 0, got ", o.lr());
-  TORCH_CHECK(o.eps() >= 0, "FusedLAMB: eps must be >= 0, got ", o.eps());
-  const auto [b1, b2] = o.betas();
-  TORCH_CHECK(b1 >= 0 && b1 < 1, "FusedLAMB: betas[0] must be in [0, 1), got ", b1);
-  TORCH_CHECK(b2 >= 0 && b2 < 1, "FusedLAMB: betas[1] must be in [0, 1), got ", b2);
-  TORCH_CHECK(o.weight_decay() >= 0, "FusedLAMB: weight_decay must be >= 0, got ",
-              o.weight_decay());
-}
+void validate(const FusedLAMBOptions& o) { detail::check_adam_style(kWho, o); }
 
 const FusedLAMBOptions& options_of(const torch::optim::OptimizerParamGroup& g) {
   return static_cast<const FusedLAMBOptions&>(g.options());
@@ -96,26 +87,24 @@ bool FusedLAMB::set_grad_none() const {
 void FusedLAMB::fused_step(const GradScaling& scaling) {
   for (const auto& g : param_groups_) validate(options_of(g));
   const auto groups = collect(kWho);
-  std::map<std::pair<std::string, int>, std::vector<at::Tensor>> grads_by_key;
+  std::vector<at::Tensor> all_grads;
   for (const auto& entries : groups) {
-    for (const auto& e : entries) {
-      grads_by_key[{e.grad.device().str(), static_cast<int>(e.grad.scalar_type())}].push_back(
-          e.grad);
-    }
+    for (const auto& e : entries) all_grads.push_back(e.grad);
   }
+  const auto grads_by_key = detail::by_device_and_dtype(all_grads);
   if (grads_by_key.empty() || found_inf_on_host(scaling.found_inf)) return;
 
   // The global norm of the unscaled gradients over every group (what clipping compares with
   // max_grad_norm), combined on the device without a host read.
   std::vector<at::Tensor> squares;
-  for (const auto& [key, grads] : grads_by_key) {
+  for (const auto& grads : grads_by_key) {
     const c10::Device device = grads.front().device();
     const at::Tensor inv = on(scaling.inv_scale, device);
     const auto norm = std::get<0>(inv.defined() ? multi_tensor_unscale_l2norm(grads, inv)
                                                 : multi_tensor_l2norm(grads));
     squares.push_back(norm.square());
   }
-  const c10::Device first_device = grads_by_key.begin()->second.front().device();
+  const c10::Device first_device = grads_by_key.front().front().device();
   for (auto& s : squares) s = s.to(first_device);
   const at::Tensor global_norm = at::stack(squares).sum().sqrt().reshape({1});
 
@@ -125,13 +114,7 @@ void FusedLAMB::fused_step(const GradScaling& scaling) {
     const c10::Device device = groups[gi].front().param.device();
     const at::Tensor inv = on(scaling.inv_scale, device);
     const at::Tensor gnorm = on(global_norm, device);
-    int64_t step = 0;
-    for (const auto& e : groups[gi]) {
-      auto it = state_.find(e.param.unsafeGetTensorImpl());
-      if (it != state_.end())
-        step = std::max(step, static_cast<FusedLAMBParamState&>(*it->second).step());
-    }
-    ++step;
+    const int64_t step = next_group_step<FusedLAMBParamState>(groups[gi]);
     const auto [b1, b2] = o.betas();
     kernels::LambArgs args;
     args.lr = static_cast<float>(o.lr());

@@ -16,15 +16,7 @@ namespace {
 
 constexpr const char* kWho = "FusedNovoGrad";
 
-void validate(const FusedNovoGradOptions& o) {
-  TORCH_CHECK(o.lr() >= 0, "FusedNovoGrad: lr must be >= 0, got ", o.lr());
-  TORCH_CHECK(o.eps() >= 0, "FusedNovoGrad: eps must be >= 0, got ", o.eps());
-  const auto [b1, b2] = o.betas();
-  TORCH_CHECK(b1 >= 0 && b1 < 1, "FusedNovoGrad: betas[0] must be in [0, 1), got ", b1);
-  TORCH_CHECK(b2 >= 0 && b2 < 1, "FusedNovoGrad: betas[1] must be in [0, 1), got ", b2);
-  TORCH_CHECK(o.weight_decay() >= 0, "FusedNovoGrad: weight_decay must be >= 0, got ",
-              o.weight_decay());
-}
+void validate(const FusedNovoGradOptions& o) { detail::check_adam_style(kWho, o); }
 
 const FusedNovoGradOptions& options_of(const torch::optim::OptimizerParamGroup& g) {
   return static_cast<const FusedNovoGradOptions&>(g.options());
@@ -110,14 +102,7 @@ void FusedNovoGrad::fused_step(const GradScaling& scaling) {
     const FusedNovoGradOptions& o = options_of(param_groups_[gi]);
     const c10::Device device = groups[gi].front().param.device();
     const at::Tensor inv = on(scaling.inv_scale, device);
-    int64_t step = 0;
-    for (const auto& e : groups[gi]) {
-      auto it = state_.find(e.param.unsafeGetTensorImpl());
-      if (it != state_.end()) {
-        step = std::max(step, static_cast<FusedNovoGradParamState&>(*it->second).step());
-      }
-    }
-    ++step;
+    const int64_t step = next_group_step<FusedNovoGradParamState>(groups[gi]);
     const auto [b1, b2] = o.betas();
     const bool l2 = o.norm_type() == NovoGradNorm::kL2;
     for (const auto& bucket : buckets(groups[gi])) {

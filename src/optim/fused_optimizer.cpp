@@ -120,6 +120,14 @@ std::vector<std::vector<FusedOptimizer::Entry>> FusedOptimizer::buckets(
   return out;
 }
 
+void FusedOptimizer::replace_loaded_state(LoadedOptions options, LoadedStates states) {
+  for (size_t gi = 0; gi < options.size(); ++gi) {
+    param_groups_[gi].set_options(std::move(options[gi]));
+  }
+  state_.clear();
+  for (auto& [p, st] : states) state_[p.unsafeGetTensorImpl()] = std::move(st);
+}
+
 bool FusedOptimizer::found_inf_on_host(const at::Tensor& found_inf) {
   return found_inf.defined() && found_inf.item<float>() != 0.0f;
 }

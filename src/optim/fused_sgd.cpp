@@ -12,9 +12,9 @@ namespace {
 constexpr const char* kWho = "FusedSGD";
 
 void validate(const FusedSGDOptions& o) {
-  TORCH_CHECK(o.lr() >= 0, "FusedSGD: lr must be >= 0, got ", o.lr());
-  TORCH_CHECK(o.momentum() >= 0, "FusedSGD: momentum must be >= 0, got ", o.momentum());
-  TORCH_CHECK(o.weight_decay() >= 0, "FusedSGD: weight_decay must be >= 0, got ", o.weight_decay());
+  detail::check_non_negative(kWho, "lr", o.lr());
+  detail::check_non_negative(kWho, "momentum", o.momentum());
+  detail::check_non_negative(kWho, "weight_decay", o.weight_decay());
   TORCH_CHECK(!o.nesterov() || (o.momentum() > 0 && o.dampening() == 0),
               "FusedSGD: nesterov requires momentum > 0 and dampening = 0, got momentum ",
               o.momentum(), " and dampening ", o.dampening());
@@ -177,8 +177,8 @@ StateDict FusedSGD::python_state_dict() const {
 
 void FusedSGD::load_python_state_dict(const StateDict& layout) {
   constexpr const char* who = "FusedSGD::load_python_state_dict";
-  std::vector<std::unique_ptr<FusedSGDOptions>> opts;
-  std::vector<std::pair<at::Tensor, std::unique_ptr<FusedSGDParamState>>> states;
+  LoadedOptions opts;
+  LoadedStates states;
   detail::read_python_layout(
       *this, layout, who,
       [&](size_t gi, const StateDict& g) {
@@ -198,10 +198,7 @@ void FusedSGD::load_python_state_dict(const StateDict& layout) {
         }
         states.emplace_back(p, std::move(st));
       });
-  for (size_t gi = 0; gi < opts.size(); ++gi) param_groups_[gi].set_options(std::move(opts[gi]));
-  // As Python's load_state_dict: the loaded state replaces all of it.
-  state_.clear();
-  for (auto& [p, st] : states) state_[p.unsafeGetTensorImpl()] = std::move(st);
+  replace_loaded_state(std::move(opts), std::move(states));
 }
 
 }  // namespace apex::optim

@@ -15,7 +15,8 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
-#include <map>
+#include "optim/lists.h"
+
 #include <optional>
 
 namespace apex::optim {
@@ -75,13 +76,13 @@ at::Tensor LARC::step(torch::optim::Optimizer::LossClosure closure) {
       const double wd = saved[gi];
       const double lr = groups[gi].options().get_lr();
       // One multi-tensor call per (device, dtype) of the group's parameters.
-      std::map<std::pair<std::string, int>, std::vector<at::Tensor>> params;
+      std::vector<at::Tensor> with_grad;
       for (const auto& p : groups[gi].params()) {
         if (!p.grad().defined()) continue;
         TORCH_CHECK(!p.grad().is_sparse(), "LARC: sparse gradients are not supported");
-        params[{p.device().str(), static_cast<int>(p.scalar_type())}].push_back(p);
+        with_grad.push_back(p);
       }
-      for (auto& [key, ps] : params) {
+      for (const auto& ps : detail::by_device_and_dtype(with_grad)) {
         std::vector<at::Tensor> data;
         std::vector<at::Tensor> grads;
         for (const auto& p : ps) {

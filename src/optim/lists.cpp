@@ -4,6 +4,10 @@
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <iterator>
+#include <utility>
+
 #ifdef APEX_HAS_CUDA_BACKEND
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -95,6 +99,35 @@ float* scalar_ptr(const at::Tensor& t, c10::Device device, const char* who, cons
               " elements");
   TORCH_CHECK(t.device() == device, who, ": ", name, " must be on ", device, ", got ", t.device());
   return t.data_ptr<float>();
+}
+
+void check_non_negative(const char* who, const char* name, double value) {
+  TORCH_CHECK(value >= 0, who, ": ", name, " must be >= 0, got ", value);
+}
+
+void check_betas(const char* who, const std::tuple<double, double>& betas) {
+  const auto [b1, b2] = betas;
+  TORCH_CHECK(b1 >= 0 && b1 < 1, who, ": betas[0] must be in [0, 1), got ", b1);
+  TORCH_CHECK(b2 >= 0 && b2 < 1, who, ": betas[1] must be in [0, 1), got ", b2);
+}
+
+std::vector<std::vector<at::Tensor>> by_device_and_dtype(const std::vector<at::Tensor>& tensors) {
+  std::vector<std::pair<std::pair<c10::Device, c10::ScalarType>, std::vector<at::Tensor>>> groups;
+  for (const auto& t : tensors) {
+    if (!t.defined()) continue;
+    const auto key = std::make_pair(t.device(), t.scalar_type());
+    auto it =
+        std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == key; });
+    if (it == groups.end()) {
+      groups.push_back({key, {}});
+      it = std::prev(groups.end());
+    }
+    it->second.push_back(t);
+  }
+  std::vector<std::vector<at::Tensor>> out;
+  out.reserve(groups.size());
+  for (auto& g : groups) out.push_back(std::move(g.second));
+  return out;
 }
 
 at::Tensor zeros_state(const at::Tensor& param) {

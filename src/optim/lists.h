@@ -8,6 +8,7 @@
 #include <c10/core/DeviceGuard.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/multi_tensor.h"
@@ -44,6 +45,23 @@ void check_matching(const std::vector<at::Tensor>& ref, const std::vector<at::Te
 
 /// float* of a one-element fp32 tensor (kernel memory), or null for an undefined tensor.
 float* scalar_ptr(const at::Tensor& t, c10::Device device, const char* who, const char* name);
+
+/// Hyper-parameter checks shared by the optimizers: "<who>: <name> must be >= 0, got <value>"
+/// and "<who>: betas[i] must be in [0, 1), got <value>".
+void check_non_negative(const char* who, const char* name, double value);
+void check_betas(const char* who, const std::tuple<double, double>& betas);
+/// lr, eps, betas and weight_decay of the Adam-style optimizers (Adam, LAMB, NovoGrad).
+template <class Options>
+void check_adam_style(const char* who, const Options& o) {
+  check_non_negative(who, "lr", o.lr());
+  check_non_negative(who, "eps", o.eps());
+  check_betas(who, o.betas());
+  check_non_negative(who, "weight_decay", o.weight_decay());
+}
+
+/// The defined tensors of `tensors` grouped by (device, dtype): one multi-tensor call per group.
+/// Groups keep first-seen order, so results do not depend on hashing.
+std::vector<std::vector<at::Tensor>> by_device_and_dtype(const std::vector<at::Tensor>& tensors);
 
 /// fp32 zeros with `param`'s shape, device and strides (optimizer state).
 at::Tensor zeros_state(const at::Tensor& param);

@@ -6,7 +6,6 @@
 
 #include <cmath>
 #include <limits>
-#include <map>
 #include <utility>
 
 #include "optim/lists.h"
@@ -122,17 +121,17 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
   const bool inf_norm = std::isinf(norm_type) && norm_type > 0;
   TORCH_CHECK(inf_norm || norm_type == 2.0,
               "clip_grad_norm_: norm_type must be 2 or infinity, got ", norm_type);
-  // Gradients grouped by (device, dtype): one kernel call per group.
-  std::map<std::pair<std::string, int>, std::vector<at::Tensor>> groups;
+  std::vector<at::Tensor> all;
   for (const auto& p : parameters) {
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;
     TORCH_CHECK(!g.is_sparse(), "clip_grad_norm_: sparse gradients are not supported");
-    groups[{g.device().str(), static_cast<int>(g.scalar_type())}].push_back(g);
+    all.push_back(g);
   }
+  const auto groups = detail::by_device_and_dtype(all);
   if (groups.empty()) return 0.0;
   double total = 0.0;
-  for (const auto& [key, grads] : groups) {
+  for (const auto& grads : groups) {
     const auto [norm, unused] =
         inf_norm ? multi_tensor_max_norm(grads) : multi_tensor_l2norm(grads);
     const double n = norm.item<float>();
@@ -153,7 +152,7 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
   // Multiplying by 1 changes nothing, so that pass is skipped; a NaN coefficient is applied, as
   // LibTorch applies it.
   if (coef >= 1.0f) return total;
-  for (const auto& [key, grads] : groups) {
+  for (const auto& grads : groups) {
     const at::Tensor flag = at::zeros({1}, grads.front().options().dtype(at::kFloat));
     multi_tensor_scale(grads, grads, coef, flag);
   }

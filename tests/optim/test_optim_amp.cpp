@@ -147,6 +147,15 @@ TEST(OptimWithAmp, FusedAdamMatchesAdamWAtEveryLevel) {
   }
 }
 
+// O1, bf16, a dynamic scale starting at `init_scale`, unscaling in the optimizer or not.
+apex::amp::Options o1_dynamic(double init_scale, bool in_kernel) {
+  return quiet(OptLevel::O1)
+      .half_dtype(at::kBFloat16)
+      .loss_scale(apex::amp::LossScale::dynamic())
+      .init_loss_scale(init_scale)
+      .unscale_in_optimizer(in_kernel);
+}
+
 // Options::unscale_in_optimizer: at O1 the gradients stay scaled and FusedAdam unscales them in
 // its kernel. The result is bit-identical to unscaling in place (same fp32 product), including
 // with two scale_loss scopes accumulating before one step and with an overflowing step.
@@ -155,12 +164,7 @@ TEST(OptimWithAmp, UnscaleInOptimizerIsBitIdentical) {
     torch::manual_seed(4);
     Mlp model(16, 32, 4);
     FusedAdam opt(model->parameters(), FusedAdamOptions(1e-2));
-    auto amp = apex::amp::initialize(model, opt,
-                                     quiet(OptLevel::O1)
-                                         .half_dtype(at::kBFloat16)
-                                         .loss_scale(apex::amp::LossScale::dynamic())
-                                         .init_loss_scale(1024.0)
-                                         .unscale_in_optimizer(in_kernel));
+    auto amp = apex::amp::initialize(model, opt, o1_dynamic(1024.0, in_kernel));
     std::vector<double> grad_sums;
     for (int step = 0; step < 8; ++step) {
       amp.zero_grad();
@@ -197,12 +201,7 @@ TEST(OptimWithAmp, UnscaleInOptimizerAccumulatesAcrossStepsCorrectly) {
     torch::manual_seed(8);
     Mlp model(16, 32, 4);
     FusedAdam opt(model->parameters(), FusedAdamOptions(1e-2));
-    auto amp = apex::amp::initialize(model, opt,
-                                     quiet(OptLevel::O1)
-                                         .half_dtype(at::kBFloat16)
-                                         .loss_scale(apex::amp::LossScale::dynamic())
-                                         .init_loss_scale(512.0)
-                                         .unscale_in_optimizer(in_kernel));
+    auto amp = apex::amp::initialize(model, opt, o1_dynamic(512.0, in_kernel));
     for (int step = 0; step < 4; ++step) {
       auto batch = blob_batch(step);
       amp.scale_loss(cross_entropy(amp.forward(model, batch.x), batch.y)).backward();

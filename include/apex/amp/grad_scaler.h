@@ -103,6 +103,7 @@ class GradScaler {
   void unscale_grads(torch::optim::Optimizer& optimizer, const at::Tensor& inv_scale,
                      bool allow_fp16, OptimizerState& state) const;
   void check_scale_initialized(const char* fn) const;
+  at::Tensor inv_scale() const;
   std::optional<at::Tensor> fused_step(apex::optim::FusedOptimizer& optimizer,
                                        OptimizerState& state);
 

@@ -4,6 +4,9 @@
 #include <apex/state_dict.h>
 #include <torch/optim/optimizer.h>
 
+#include <algorithm>
+#include <memory>
+#include <utility>
 #include <vector>
 
 namespace apex::optim {
@@ -80,6 +83,26 @@ class FusedOptimizer : public torch::optim::Optimizer {
   static at::Tensor on(const at::Tensor& t, c10::Device device);
   /// Reads a found-inf flag on the host (one synchronization): true when it is set.
   static bool found_inf_on_host(const at::Tensor& found_inf);
+
+  /// The step a group's update is about to make, for optimizers that keep apex's one counter per
+  /// group in their parameters' states: one past the largest step found there.
+  template <class State>
+  int64_t next_group_step(const std::vector<Entry>& entries) const {
+    int64_t step = 0;
+    for (const auto& e : entries) {
+      auto it = state_.find(e.param.unsafeGetTensorImpl());
+      if (it != state_.end()) step = std::max(step, static_cast<const State&>(*it->second).step());
+    }
+    return step + 1;
+  }
+
+  /// Options and parameter states parsed by load_python_state_dict.
+  using LoadedOptions = std::vector<std::unique_ptr<torch::optim::OptimizerOptions>>;
+  using LoadedStates =
+      std::vector<std::pair<at::Tensor, std::unique_ptr<torch::optim::OptimizerParamState>>>;
+  /// Installs what load_python_state_dict parsed: each group's options, and the states replacing
+  /// all current state (as Python's load_state_dict does).
+  void replace_loaded_state(LoadedOptions options, LoadedStates states);
 
   /// The state of `param`, created by `init` when absent.
   template <class State, class Init>
