@@ -29,6 +29,8 @@ struct NormForwardArgs {
 
 /// Gradients of the forward above from dy and the saved x, mean, rstd:
 ///   x_hat = (x - mean) * rstd;  g = dy * w
+/// or, memory-efficient (y set, x and mean unused), from the saved output:
+///   x_hat = (y - b) / w   (b, w each optional)
 ///   LayerNorm: dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))
 ///   RMSNorm:   dx = rstd * (g - x_hat * mean(g * x_hat))
 ///   dw = sum over rows of dy * x_hat;  db = sum over rows of dy
@@ -39,11 +41,13 @@ struct NormBackwardArgs {
   int64_t cols = 0;
   bool rms = false;
   DType x_dtype = DType::kFloat32;   ///< x and dx
-  DType dy_dtype = DType::kFloat32;  ///< the forward output's dtype
-  DType w_dtype = DType::kFloat32;
+  DType dy_dtype = DType::kFloat32;  ///< the forward output's dtype: dy and y
+  DType w_dtype = DType::kFloat32;   ///< w and b
   const void* dy = nullptr;
-  const void* x = nullptr;
+  const void* x = nullptr;  ///< null in memory-efficient mode
+  const void* y = nullptr;  ///< set: memory-efficient mode (x_hat from the output)
   const void* w = nullptr;
+  const void* b = nullptr;  ///< read only in memory-efficient mode
   const float* mean = nullptr;
   const float* rstd = nullptr;
   void* dx = nullptr;
@@ -55,5 +59,12 @@ namespace cpu {
 void norm_forward(const NormForwardArgs& args);
 void norm_backward(const NormBackwardArgs& args);
 }  // namespace cpu
+
+namespace cuda {
+// Same semantics as the CPU backend, enqueued on `stream` (a cudaStream_t) of the current device.
+// dw/db are deterministic (fixed partial blocks, no atomics).
+void norm_forward(const NormForwardArgs& args, void* stream);
+void norm_backward(const NormBackwardArgs& args, void* stream);
+}  // namespace cuda
 
 }  // namespace apex::kernels

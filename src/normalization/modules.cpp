@@ -30,7 +30,8 @@ void FusedLayerNormImpl::reset() {
 }
 
 at::Tensor FusedLayerNormImpl::forward(const at::Tensor& input) {
-  return fused_layer_norm(input, options.normalized_shape(), weight, bias, options.eps());
+  return fused_layer_norm(input, options.normalized_shape(), weight, bias, options.eps(),
+                          options.memory_efficient());
 }
 
 FusedRMSNormImpl::FusedRMSNormImpl(FusedNormOptions options_) : options(std::move(options_)) {
@@ -45,7 +46,8 @@ void FusedRMSNormImpl::reset() {
 }
 
 at::Tensor FusedRMSNormImpl::forward(const at::Tensor& input) {
-  return fused_rms_norm(input, options.normalized_shape(), weight, options.eps());
+  return fused_rms_norm(input, options.normalized_shape(), weight, options.eps(),
+                        options.memory_efficient());
 }
 
 MixedFusedLayerNormImpl::MixedFusedLayerNormImpl(FusedNormOptions options_)
@@ -56,7 +58,8 @@ MixedFusedLayerNormImpl::MixedFusedLayerNormImpl(FusedNormOptions options_)
 }
 
 at::Tensor MixedFusedLayerNormImpl::forward(const at::Tensor& input) {
-  return mixed_fused_layer_norm(input, options.normalized_shape(), weight, bias, options.eps());
+  return mixed_fused_layer_norm(input, options.normalized_shape(), weight, bias, options.eps(),
+                                options.memory_efficient());
 }
 
 MixedFusedRMSNormImpl::MixedFusedRMSNormImpl(FusedNormOptions options_)
@@ -66,7 +69,8 @@ MixedFusedRMSNormImpl::MixedFusedRMSNormImpl(FusedNormOptions options_)
 }
 
 at::Tensor MixedFusedRMSNormImpl::forward(const at::Tensor& input) {
-  return mixed_fused_rms_norm(input, options.normalized_shape(), weight, options.eps());
+  return mixed_fused_rms_norm(input, options.normalized_shape(), weight, options.eps(),
+                              options.memory_efficient());
 }
 
 }  // namespace apex::normalization

@@ -2,10 +2,11 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/layer_norm.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <array>
 #include <string>
 #include <vector>
 
@@ -48,42 +49,111 @@ Geometry check_inputs(const char* who, const at::Tensor& x, at::IntArrayRef shap
   return {cols == 0 ? 0 : x.numel() / cols, cols, shape.size()};
 }
 
+struct Flags {
+  bool rms;
+  bool mixed;
+  bool memory_efficient;
+};
+
+const char* op_name(bool rms) { return rms ? "FusedRMSNorm" : "FusedLayerNorm"; }
+
+at::Tensor placeholder(const at::Tensor& t, const at::TensorOptions& like) {
+  return t.defined() ? t : at::empty({0}, like);
+}
+
+// Statistics and output in float64 with ATen ops, for float64 tensors (gradcheck, references):
+// the same formulas as the kernels. Returns {y, mean (LayerNorm), rstd}.
+std::array<at::Tensor, 3> forward_f64(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                                      const Geometry& g, double eps, bool rms) {
+  const at::Tensor x2 = x.view({g.rows, g.cols}).to(at::kDouble);
+  const at::Tensor mean = rms ? at::Tensor() : x2.mean({1}, /*keepdim=*/true);
+  const at::Tensor xc = rms ? x2 : x2 - mean;
+  const at::Tensor rstd = (xc.square().mean({1}, /*keepdim=*/true) + eps).rsqrt();
+  at::Tensor y = xc * rstd;
+  if (w.defined()) y = y * w.reshape({g.cols}).to(at::kDouble);
+  if (b.defined()) y = y + b.reshape({g.cols}).to(at::kDouble);
+  return {y, rms ? at::Tensor() : mean.view({g.rows}), rstd.view({g.rows})};
+}
+
+// {dx, dw, db} in float64 from x_hat (already recomputed), dy and rstd.
+std::array<at::Tensor, 3> backward_f64(const at::Tensor& xh, const at::Tensor& dy2,
+                                       const at::Tensor& w, const at::Tensor& rstd, bool rms,
+                                       bool want_b) {
+  const at::Tensor gr = w.defined() ? dy2 * w : dy2;
+  at::Tensor inner = gr - xh * (gr * xh).mean({1}, /*keepdim=*/true);
+  if (!rms) inner = inner - gr.mean({1}, /*keepdim=*/true);
+  return {rstd.view({-1, 1}) * inner, w.defined() ? (dy2 * xh).sum({0}) : at::Tensor(),
+          want_b ? dy2.sum({0}) : at::Tensor()};
+}
+
 struct NormFunction : public torch::autograd::Function<NormFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
-                            const at::Tensor& bias, Geometry g, double eps, bool rms, bool mixed) {
+                            const at::Tensor& bias, Geometry g, double eps, Flags f) {
     // Absent weight/bias arrive as 0-element placeholders (autograd inputs must be defined).
     const at::Tensor x = input.contiguous();
     const at::Tensor w = weight.numel() > 0 ? weight.contiguous() : at::Tensor();
     const at::Tensor b = bias.numel() > 0 ? bias.contiguous() : at::Tensor();
+    const char* who = op_name(f.rms);
     // The mixed variants return the parameters' dtype (apex's MixedFused* definition).
-    at::Tensor y =
-        at::empty_like(x, x.options().dtype(mixed ? weight.scalar_type() : x.scalar_type()),
-                       at::MemoryFormat::Contiguous);
-    const auto stat_opts = x.options().dtype(at::kFloat);
-    at::Tensor mean = rms ? at::Tensor() : at::empty({g.rows}, stat_opts);
-    at::Tensor rstd = at::empty({g.rows}, stat_opts);
-    kernels::NormForwardArgs a;
-    a.rows = g.rows;
-    a.cols = g.cols;
-    a.rms = rms;
-    a.eps = static_cast<float>(eps);
-    a.x_dtype = optim::detail::kernel_dtype(x, rms ? "FusedRMSNorm" : "FusedLayerNorm");
-    a.y_dtype = optim::detail::kernel_dtype(y, rms ? "FusedRMSNorm" : "FusedLayerNorm");
-    if (w.defined()) a.w_dtype = optim::detail::kernel_dtype(w, "FusedLayerNorm weight");
-    if (b.defined()) a.w_dtype = optim::detail::kernel_dtype(b, "FusedLayerNorm bias");
-    a.x = x.data_ptr();
-    a.w = w.defined() ? w.data_ptr() : nullptr;
-    a.b = b.defined() ? b.data_ptr() : nullptr;
-    a.y = y.data_ptr();
-    a.mean = rms ? nullptr : mean.data_ptr<float>();
-    a.rstd = rstd.data_ptr<float>();
-    if (g.rows > 0 && g.cols > 0) kernels::cpu::norm_forward(a);
-    ctx->save_for_backward({x, w.defined() ? w : at::empty({0}, x.options()),
-                            rms ? at::empty({0}, stat_opts) : mean, rstd});
-    ctx->saved_data["rms"] = rms;
+    const auto out_dtype = f.mixed ? weight.scalar_type() : x.scalar_type();
+    const bool f64 = x.scalar_type() == at::kDouble ||
+                     (w.defined() && w.scalar_type() == at::kDouble) ||
+                     (b.defined() && b.scalar_type() == at::kDouble);
+    at::Tensor y;
+    at::Tensor mean;
+    at::Tensor rstd;
+    if (f64) {
+      auto [y64, mean64, rstd64] = forward_f64(x, w, b, g, eps, f.rms);
+      y = y64.to(out_dtype).view(x.sizes());
+      mean = mean64;
+      rstd = rstd64;
+    } else {
+      y = at::empty_like(x, x.options().dtype(out_dtype), at::MemoryFormat::Contiguous);
+      const auto stat_opts = x.options().dtype(at::kFloat);
+      mean = f.rms ? at::Tensor() : at::empty({g.rows}, stat_opts);
+      rstd = at::empty({g.rows}, stat_opts);
+      kernels::NormForwardArgs a;
+      a.rows = g.rows;
+      a.cols = g.cols;
+      a.rms = f.rms;
+      a.eps = static_cast<float>(eps);
+      a.x_dtype = optim::detail::kernel_dtype(x, who);
+      a.y_dtype = optim::detail::kernel_dtype(y, who);
+      if (w.defined()) a.w_dtype = optim::detail::kernel_dtype(w, who);
+      if (b.defined()) a.w_dtype = optim::detail::kernel_dtype(b, who);
+      TORCH_CHECK(!w.defined() || !b.defined() || w.scalar_type() == b.scalar_type(), who,
+                  ": weight and bias must have the same dtype, got ", w.scalar_type(), " and ",
+                  b.scalar_type());
+      a.x = x.data_ptr();
+      a.w = w.defined() ? w.data_ptr() : nullptr;
+      a.b = b.defined() ? b.data_ptr() : nullptr;
+      a.y = y.data_ptr();
+      a.mean = f.rms ? nullptr : mean.data_ptr<float>();
+      a.rstd = rstd.data_ptr<float>();
+      if (g.rows > 0 && g.cols > 0) {
+        if (x.is_cuda()) {
+          const c10::DeviceGuard guard(x.device());
+          kernels::cuda::norm_forward(a, optim::detail::cuda_stream(x.device()));
+        } else {
+          kernels::cpu::norm_forward(a);
+        }
+      }
+    }
+    const auto none = x.options();
+    // memory_efficient keeps the output (which the next layer usually keeps anyway) instead of
+    // the input, and recomputes x_hat = (y - bias) / weight in the backward.
+    if (f.memory_efficient) {
+      ctx->save_for_backward({y, placeholder(w, none), placeholder(b, none), rstd});
+    } else {
+      ctx->save_for_backward({x, placeholder(w, none), placeholder(mean, none), rstd});
+    }
+    ctx->saved_data["rms"] = f.rms;
+    ctx->saved_data["memory_efficient"] = f.memory_efficient;
+    ctx->saved_data["f64"] = f64;
     ctx->saved_data["rows"] = g.rows;
     ctx->saved_data["cols"] = g.cols;
     ctx->saved_data["has_bias"] = b.defined();
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["bias_dtype"] = b.defined() ? static_cast<int64_t>(b.scalar_type()) : 0;
     ctx->saved_data["shape"] = std::vector<int64_t>(
         x.sizes().begin() + (x.dim() - static_cast<int64_t>(g.shape_dims)), x.sizes().end());
@@ -94,94 +164,121 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     TORCH_CHECK(!at::GradMode::is_enabled(),
                 "FusedLayerNorm/FusedRMSNorm: double backward is not supported");
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor& x = saved[0];
-    const at::Tensor w = saved[1].numel() > 0 ? saved[1] : at::Tensor();
-    const at::Tensor& mean = saved[2];
-    const at::Tensor& rstd = saved[3];
     const bool rms = ctx->saved_data["rms"].toBool();
+    const bool mem_eff = ctx->saved_data["memory_efficient"].toBool();
+    const bool f64 = ctx->saved_data["f64"].toBool();
     const int64_t rows = ctx->saved_data["rows"].toInt();
     const int64_t cols = ctx->saved_data["cols"].toInt();
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    const at::Tensor dy = grads[0].contiguous();
-    at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
-    const auto f32 = x.options().dtype(at::kFloat);
-    at::Tensor dw = w.defined() ? at::empty({cols}, f32) : at::Tensor();
-    at::Tensor db = has_bias ? at::empty({cols}, f32) : at::Tensor();
-    kernels::NormBackwardArgs a;
-    a.rows = rows;
-    a.cols = cols;
-    a.rms = rms;
-    a.x_dtype = optim::detail::kernel_dtype(x, "FusedLayerNorm");
-    a.dy_dtype = optim::detail::kernel_dtype(dy, "FusedLayerNorm gradient");
-    if (w.defined()) a.w_dtype = optim::detail::kernel_dtype(w, "FusedLayerNorm weight");
-    a.dy = dy.data_ptr();
-    a.x = x.data_ptr();
-    a.w = w.defined() ? w.data_ptr() : nullptr;
-    a.mean = rms ? nullptr : mean.data_ptr<float>();
-    a.rstd = rstd.data_ptr<float>();
-    a.dx = dx.data_ptr();
-    a.dw = dw.defined() ? dw.data_ptr<float>() : nullptr;
-    a.db = db.defined() ? db.data_ptr<float>() : nullptr;
-    if (rows > 0 && cols > 0) {
-      kernels::cpu::norm_backward(a);
-    } else {
-      dx.zero_();
-      if (dw.defined()) dw.zero_();
-      if (db.defined()) db.zero_();
-    }
+    const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
     const auto shape = ctx->saved_data["shape"].toIntVector();
+    const at::Tensor& src = saved[0];  // x, or y when memory-efficient
+    const at::Tensor w = saved[1].numel() > 0 ? saved[1] : at::Tensor();
+    const at::Tensor b = mem_eff && saved[2].numel() > 0 ? saved[2] : at::Tensor();
+    const at::Tensor& mean = saved[2];
+    const at::Tensor& rstd = saved[3];
+    const at::Tensor dy = grads[0].contiguous();
+    at::Tensor dx;
+    at::Tensor dw;
+    at::Tensor db;
+    if (f64) {
+      const auto d = [&](const at::Tensor& t) { return t.reshape({-1, cols}).to(at::kDouble); };
+      at::Tensor xh;
+      if (mem_eff) {
+        xh = d(src);
+        if (b.defined()) xh = xh - d(b);
+        if (w.defined()) xh = xh / d(w);
+      } else {
+        xh = (rms ? d(src) : d(src) - mean.view({-1, 1})) * rstd.view({-1, 1});
+      }
+      auto r = backward_f64(xh, d(dy), w.defined() ? d(w) : at::Tensor(), rstd, rms, has_bias);
+      dx = r[0].to(x_dtype).view(src.sizes());
+      dw = r[1];
+      db = r[2];
+    } else {
+      dx = at::empty(src.sizes(), src.options().dtype(x_dtype));
+      const auto f32 = src.options().dtype(at::kFloat);
+      dw = w.defined() ? at::empty({cols}, f32) : at::Tensor();
+      db = has_bias ? at::empty({cols}, f32) : at::Tensor();
+      const char* who = op_name(rms);
+      kernels::NormBackwardArgs a;
+      a.rows = rows;
+      a.cols = cols;
+      a.rms = rms;
+      a.x_dtype = optim::detail::kernel_dtype(dx, who);
+      a.dy_dtype = optim::detail::kernel_dtype(dy, who);
+      TORCH_CHECK(!mem_eff || src.scalar_type() == dy.scalar_type(), who, ": the gradient's dtype ",
+                  dy.scalar_type(), " differs from the output's ", src.scalar_type());
+      if (w.defined()) a.w_dtype = optim::detail::kernel_dtype(w, who);
+      if (b.defined()) a.w_dtype = optim::detail::kernel_dtype(b, who);
+      a.dy = dy.data_ptr();
+      a.x = mem_eff ? nullptr : src.data_ptr();
+      a.y = mem_eff ? src.data_ptr() : nullptr;
+      a.w = w.defined() ? w.data_ptr() : nullptr;
+      a.b = b.defined() ? b.data_ptr() : nullptr;
+      a.mean = rms || mem_eff ? nullptr : mean.data_ptr<float>();
+      a.rstd = rstd.data_ptr<float>();
+      a.dx = dx.data_ptr();
+      a.dw = dw.defined() ? dw.data_ptr<float>() : nullptr;
+      a.db = db.defined() ? db.data_ptr<float>() : nullptr;
+      if (rows > 0 && cols > 0) {
+        if (src.is_cuda()) {
+          const c10::DeviceGuard guard(src.device());
+          kernels::cuda::norm_backward(a, optim::detail::cuda_stream(src.device()));
+        } else {
+          kernels::cpu::norm_backward(a);
+        }
+      } else {
+        dx.zero_();
+        if (dw.defined()) dw.zero_();
+        if (db.defined()) db.zero_();
+      }
+    }
     if (dw.defined()) dw = dw.view(shape).to(w.scalar_type());
     if (db.defined()) {
       db = db.view(shape).to(static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt()));
     }
-    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor run(const char* who, const at::Tensor& input, at::IntArrayRef shape,
-               const at::Tensor& weight, const at::Tensor& bias, double eps, bool rms,
-               bool mixed = false) {
+               const at::Tensor& weight, const at::Tensor& bias, double eps, Flags f) {
   const Geometry g = check_inputs(who, input, shape, weight, bias, eps);
-  TORCH_CHECK(!mixed || weight.defined(), who, ": the mixed-dtype variants need a weight");
-  if (!input.device().is_cpu()) {
-    // CUDA kernels come later: the composite ATen expression, correct but not fused.
-    const auto out_dtype = mixed ? weight.scalar_type() : input.scalar_type();
-    if (!rms) return at::layer_norm(input.to(out_dtype), shape, weight, bias, eps);
-    std::vector<int64_t> dims;
-    for (int64_t d = input.dim() - static_cast<int64_t>(shape.size()); d < input.dim(); ++d) {
-      dims.push_back(d);
-    }
-    const at::Tensor x = input.to(at::kFloat);
-    at::Tensor y = x * (x.square().mean(dims, /*keepdim=*/true) + eps).rsqrt();
-    if (weight.defined()) y = y * weight;
-    return y.to(out_dtype);
-  }
+  TORCH_CHECK(!f.mixed || weight.defined(), who, ": the mixed-dtype variants need a weight");
+  TORCH_CHECK(input.device().is_cpu() || input.device().is_cuda(), who,
+              ": expected a CPU or CUDA tensor, got one on ", input.device());
   const at::Tensor none = at::empty({0}, input.options());
   return NormFunction::apply(input, weight.defined() ? weight : none, bias.defined() ? bias : none,
-                             g, eps, rms, mixed);
+                             g, eps, f);
 }
 
 }  // namespace
 
 at::Tensor fused_layer_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
-                            const at::Tensor& weight, const at::Tensor& bias, double eps) {
-  return run("fused_layer_norm", input, normalized_shape, weight, bias, eps, false);
+                            const at::Tensor& weight, const at::Tensor& bias, double eps,
+                            bool memory_efficient) {
+  return run("fused_layer_norm", input, normalized_shape, weight, bias, eps,
+             {false, false, memory_efficient});
 }
 
 at::Tensor fused_rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
-                          const at::Tensor& weight, double eps) {
-  return run("fused_rms_norm", input, normalized_shape, weight, at::Tensor(), eps, true);
+                          const at::Tensor& weight, double eps, bool memory_efficient) {
+  return run("fused_rms_norm", input, normalized_shape, weight, at::Tensor(), eps,
+             {true, false, memory_efficient});
 }
 
 at::Tensor mixed_fused_layer_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
-                                  const at::Tensor& weight, const at::Tensor& bias, double eps) {
-  return run("mixed_fused_layer_norm", input, normalized_shape, weight, bias, eps, false, true);
+                                  const at::Tensor& weight, const at::Tensor& bias, double eps,
+                                  bool memory_efficient) {
+  return run("mixed_fused_layer_norm", input, normalized_shape, weight, bias, eps,
+             {false, true, memory_efficient});
 }
 
 at::Tensor mixed_fused_rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
-                                const at::Tensor& weight, double eps) {
-  return run("mixed_fused_rms_norm", input, normalized_shape, weight, at::Tensor(), eps, true,
-             true);
+                                const at::Tensor& weight, double eps, bool memory_efficient) {
+  return run("mixed_fused_rms_norm", input, normalized_shape, weight, at::Tensor(), eps,
+             {true, true, memory_efficient});
 }
 
 }  // namespace apex::normalization

@@ -1,5 +1,6 @@
 // Fused LayerNorm / RMSNorm (CPU kernels) against at::layer_norm and float64 references:
 // forward, input, weight and bias gradients.
+#include <apex/amp/initialize.h>
 #include <apex/normalization.h>
 #include <torch/autograd.h>
 
@@ -45,7 +46,8 @@ std::vector<at::Tensor> reference(const at::Tensor& x, const at::Tensor& w, cons
 
 // Gradient tolerances: sums over many rows/columns in fp32 (weight/bias) need an absolute floor
 // scaled by the number of rows summed.
-void check(const Case& c, at::ScalarType dtype, bool affine, bool rms, bool non_contiguous) {
+void check(const Case& c, at::ScalarType dtype, bool affine, bool rms, bool non_contiguous,
+           bool memory_efficient = false) {
   auto gen = at::detail::createCPUGenerator(7);
   const auto shape = tail(c.shape, c.nd);
   at::Tensor x = at::randn(c.shape, gen).mul_(2.0).add_(0.5).to(dtype);
@@ -58,18 +60,23 @@ void check(const Case& c, at::ScalarType dtype, bool affine, bool rms, bool non_
   x.set_requires_grad(true);
   at::Tensor w, b;
   if (affine) {
-    w = (at::randn(shape, gen) * 0.5 + 1.0).to(dtype).set_requires_grad(true);
+    // memory_efficient divides by the weight: keep it away from zero there.
+    w = (memory_efficient ? at::rand(shape, gen) + 0.5 : at::randn(shape, gen) * 0.5 + 1.0)
+            .to(dtype)
+            .set_requires_grad(true);
     if (!rms) b = (at::randn(shape, gen) * 0.1).to(dtype).set_requires_grad(true);
   }
   const at::Tensor dy = at::randn(c.shape, gen).to(dtype);
   const double eps = 1e-5;
-  at::Tensor y = rms ? fused_rms_norm(x, shape, w, eps) : fused_layer_norm(x, shape, w, b, eps);
+  at::Tensor y = rms ? fused_rms_norm(x, shape, w, eps, memory_efficient)
+                     : fused_layer_norm(x, shape, w, b, eps, memory_efficient);
   ASSERT_EQ(y.scalar_type(), dtype);
   y.backward(dy);
   const auto ref = reference(x, w, b, dy, shape, eps, rms);
   const Tolerance tol = tolerance_for(dtype);
   const std::string what = std::string(rms ? "rms" : "ln") + " " + c10::toString(dtype) +
-                           (affine ? " affine" : "") + (non_contiguous ? " strided" : "");
+                           (affine ? " affine" : "") + (non_contiguous ? " strided" : "") +
+                           (memory_efficient ? " memory_efficient" : "");
   EXPECT_TRUE(all_close(y, ref[0], tol)) << what << " forward";
   // dx mixes terms that cancel; bf16/fp16 storage of dy/dx rounds them: use the storage tolerance
   // with a floor from the size of the terms (|dy| ~ 1, rstd ~ 0.5).
@@ -92,13 +99,17 @@ const std::vector<Case> kCases = {
 
 TEST(FusedNorm, LayerNormMatchesReferenceFp32) {
   for (const auto& c : kCases) {
-    for (bool affine : {true, false}) check(c, at::kFloat, affine, false, false);
+    for (bool affine : {true, false}) {
+      for (bool mem : {false, true}) check(c, at::kFloat, affine, false, false, mem);
+    }
   }
 }
 
 TEST(FusedNorm, RMSNormMatchesReferenceFp32) {
   for (const auto& c : kCases) {
-    for (bool affine : {true, false}) check(c, at::kFloat, affine, true, false);
+    for (bool affine : {true, false}) {
+      for (bool mem : {false, true}) check(c, at::kFloat, affine, true, false, mem);
+    }
   }
 }
 
@@ -106,14 +117,107 @@ TEST(FusedNorm, HalfDtypes) {
   for (auto dtype : {at::kBFloat16, at::kHalf}) {
     for (bool rms : {false, true}) {
       for (const Case& c : {Case{{32, 16}, 1}, Case{{64, 1024}, 1}, Case{{3, 7, 64}, 1}}) {
-        check(c, dtype, true, rms, false);
+        for (bool mem : {false, true}) check(c, dtype, true, rms, false, mem);
       }
     }
   }
 }
 
 TEST(FusedNorm, NonContiguousInput) {
-  for (bool rms : {false, true}) check({{16, 64}, 1}, at::kFloat, true, rms, true);
+  for (bool rms : {false, true}) {
+    for (bool mem : {false, true}) check({{16, 64}, 1}, at::kFloat, true, rms, true, mem);
+  }
+}
+
+// memory_efficient saves the output, not the input: the graph keeps y alive and x can go.
+TEST(FusedNorm, MemoryEfficientSavesTheOutput) {
+  auto x = at::randn({8, 32}).set_requires_grad(true);
+  auto w = (at::rand({32}) + 0.5).set_requires_grad(true);
+  auto b = at::randn({32}).set_requires_grad(true);
+  auto y = fused_layer_norm(x * 2, {32}, w, b, 1e-5, /*memory_efficient=*/true);
+  auto y_ref = fused_layer_norm(x * 2, {32}, w, b, 1e-5, false);
+  EXPECT_TRUE(at::equal(y, y_ref));
+  // Modifying the output in place must be caught, since the backward reads it.
+  y.add_(1.0);
+  EXPECT_TRUE(throws_with([&] { y.sum().backward(); }, "modified by an inplace operation"));
+}
+
+// Numerical gradient check in float64 (the ATen float64 path runs the kernels' formulas), and a
+// directional finite-difference check of the fp32 kernels themselves.
+TEST(FusedNorm, GradcheckFloat64) {
+  auto gen = at::detail::createCPUGenerator(11);
+  for (bool rms : {false, true}) {
+    for (bool mem : {false, true}) {
+      for (bool affine : {true, false}) {
+        auto x = at::randn({3, 5}, gen, at::kDouble).set_requires_grad(true);
+        auto w =
+            affine ? (at::rand({5}, gen, at::kDouble) + 0.5).set_requires_grad(true) : at::Tensor();
+        auto b = affine && !rms ? at::randn({5}, gen, at::kDouble).set_requires_grad(true)
+                                : at::Tensor();
+        const auto f = [&] {
+          return rms ? fused_rms_norm(x, {5}, w, 1e-3, mem)
+                     : fused_layer_norm(x, {5}, w, b, 1e-3, mem);
+        };
+        const auto r = at::randn({3, 5}, gen, at::kDouble);
+        std::vector<at::Tensor> inputs{x};
+        if (w.defined()) inputs.push_back(w);
+        if (b.defined()) inputs.push_back(b);
+        const auto analytic = torch::autograd::grad({(f() * r).sum()}, inputs);
+        at::NoGradGuard no_grad;
+        for (size_t k = 0; k < inputs.size(); ++k) {
+          auto flat = inputs[k].view({-1});
+          for (int64_t i = 0; i < flat.numel(); ++i) {
+            const double h = 1e-6;
+            const double v = flat[i].item<double>();
+            flat[i].fill_(v + h);
+            const double up = (f() * r).sum().item<double>();
+            flat[i].fill_(v - h);
+            const double down = (f() * r).sum().item<double>();
+            flat[i].fill_(v);
+            const double numeric = (up - down) / (2 * h);
+            EXPECT_NEAR(analytic[k].view({-1})[i].item<double>(), numeric, 1e-6)
+                << "rms " << rms << " memory_efficient " << mem << " input " << k << " elem " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(FusedNorm, FiniteDifferencesFp32Kernels) {
+  auto gen = at::detail::createCPUGenerator(5);
+  for (bool rms : {false, true}) {
+    for (bool mem : {false, true}) {
+      auto x = at::randn({6, 40}, gen).set_requires_grad(true);
+      auto w = (at::rand({40}, gen) + 0.5).set_requires_grad(true);
+      auto b = rms ? at::Tensor() : at::randn({40}, gen).set_requires_grad(true);
+      const auto r = at::randn({6, 40}, gen);
+      const auto loss = [&](const at::Tensor& xx, const at::Tensor& ww, const at::Tensor& bb) {
+        return (rms ? fused_rms_norm(xx, {40}, ww, 1e-5, mem)
+                    : fused_layer_norm(xx, {40}, ww, bb, 1e-5, mem)) *
+               r;
+      };
+      loss(x, w, b).sum().backward();
+      at::NoGradGuard no_grad;
+      // Along a random direction v: <grad, v> against (L(p + h v) - L(p - h v)) / 2h, in float64
+      // sums of the fp32 outputs.
+      std::vector<at::Tensor> params{x, w};
+      if (b.defined()) params.push_back(b);
+      for (size_t k = 0; k < params.size(); ++k) {
+        const auto v = at::randn(params[k].sizes(), gen);
+        const double h = 1e-2;
+        auto shifted = [&](double s) {
+          std::vector<at::Tensor> p{x, w, b};
+          p[k] = params[k] + s * h * v;
+          return loss(p[0], p[1], p[2]).to(at::kDouble).sum().item<double>();
+        };
+        const double numeric = (shifted(1) - shifted(-1)) / (2 * h);
+        const double analytic = (params[k].grad().to(at::kDouble) * v).sum().item<double>();
+        EXPECT_NEAR(analytic, numeric, 2e-3 * std::max(1.0, std::abs(numeric)))
+            << "rms " << rms << " memory_efficient " << mem << " param " << k;
+      }
+    }
+  }
 }
 
 // Same numbers as at::layer_norm itself, not just the float64 reference.
@@ -211,6 +315,54 @@ TEST(FusedNorm, MixedVariantsOutputParameterDtype) {
             apex::normalization::FusedNormOptions({16}).elementwise_affine(false));
       },
       "elementwise_affine must be true"));
+}
+
+// What comes out of the norms at each opt level (the table in docs/normalization.md): a Linear
+// feeds a FusedLayerNorm and a MixedFusedLayerNorm; statistics are fp32 at every level, checked
+// against a float64 reference of the same (rounded) input.
+struct NormNetImpl : torch::nn::Module {
+  NormNetImpl()
+      : lin(register_module("lin", torch::nn::Linear(16, 32))),
+        ln(register_module("ln", apex::normalization::FusedLayerNorm(
+                                     apex::normalization::FusedNormOptions({32})))),
+        mixed(register_module("mixed", apex::normalization::MixedFusedLayerNorm(
+                                           apex::normalization::FusedNormOptions({32})))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    hidden = lin->forward(x);
+    ln_out = ln->forward(hidden);
+    mixed_out = mixed->forward(hidden);
+    return ln_out.to(at::kFloat) + mixed_out.to(at::kFloat);
+  }
+  torch::nn::Linear lin;
+  apex::normalization::FusedLayerNorm ln;
+  apex::normalization::MixedFusedLayerNorm mixed;
+  at::Tensor hidden, ln_out, mixed_out;
+};
+TORCH_MODULE(NormNet);
+
+TEST(FusedNorm, DtypesPerOptLevel) {
+  using apex::amp::OptLevel;
+  struct Expect {
+    OptLevel level;
+    at::ScalarType ln, mixed;
+  };
+  const auto bf16 = at::kBFloat16;
+  for (const Expect& e :
+       {Expect{OptLevel::O0, at::kFloat, at::kFloat}, Expect{OptLevel::O1, bf16, at::kFloat},
+        Expect{OptLevel::O2, bf16, bf16}, Expect{OptLevel::O3, bf16, bf16}}) {
+    NormNet net;
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+    auto amp =
+        apex::amp::initialize(net, opt, apex::amp::Options(e.level).half_dtype(bf16).verbosity(0));
+    const auto out = amp.forward(net, at::randn({8, 16}));
+    EXPECT_EQ(out.scalar_type(), at::kFloat);
+    EXPECT_EQ(net->ln_out.scalar_type(), e.ln) << apex::amp::to_string(e.level);
+    EXPECT_EQ(net->mixed_out.scalar_type(), e.mixed) << apex::amp::to_string(e.level);
+    // fp32 statistics whatever the storage: the result is the float64 reference rounded once.
+    const auto ref = reference(net->hidden, net->ln->weight, net->ln->bias,
+                               at::zeros_like(net->hidden), {32}, 1e-5, false)[0];
+    EXPECT_TRUE(all_close(net->ln_out, ref, tolerance_for(e.ln))) << apex::amp::to_string(e.level);
+  }
 }
 
 }  // namespace

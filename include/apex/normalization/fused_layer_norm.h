@@ -18,6 +18,8 @@ struct FusedNormOptions {
   TORCH_ARG(double, eps) = 1e-5;
   /// Learnable weight (ones) and, for LayerNorm, bias (zeros) of shape normalized_shape.
   TORCH_ARG(bool, elementwise_affine) = true;
+  /// Save the output instead of the input for the backward (see functional.h).
+  TORCH_ARG(bool, memory_efficient) = false;
 };
 
 /// LayerNorm over the trailing normalized_shape dimensions, on the fused kernels

@@ -34,6 +34,27 @@ struct NovoGradChunk {
   bool reg_inside_moment;
 };
 
+/// One row of the norm backward. x_hat comes from the input (src = x: (x - mean) * rstd) or, with
+/// from_output, from the forward output (src = y: (y - b) / w). w, b: fp32 [cols] or null.
+struct NormRowBackward {
+  const void* dy;
+  DType dy_dtype;
+  const void* src;
+  DType src_dtype;
+  bool from_output;
+  const float* w;
+  const float* b;
+  float mean;
+  float rstd;
+  void* dx;
+  DType dx_dtype;
+  int64_t cols;
+  bool rms;
+  float* scratch;  ///< 3*cols floats
+  double* dw_acc;
+  double* db_acc;
+};
+
 struct IsaTable {
   const char* name;
   bool (*scale)(const Span&, float s);
@@ -54,10 +75,7 @@ struct IsaTable {
                            DType yt, int64_t cols, bool rms, float eps, float* scratch, float* mean,
                            float* rstd);
   /// One row of the backward; adds dy*x_hat and dy into dw_acc/db_acc (fp64, may be null).
-  /// scratch: 3*cols floats.
-  void (*norm_backward_row)(const void* dy, DType dyt, const void* x, DType t, const float* w,
-                            float mean, float rstd, void* dx, int64_t cols, bool rms,
-                            float* scratch, double* dw_acc, double* db_acc);
+  void (*norm_backward_row)(const NormRowBackward& row);
 };
 
 /// The table of the widest instruction set this CPU has (APEX_CPU_ISA may force a narrower one).

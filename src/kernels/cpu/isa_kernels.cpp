@@ -472,54 +472,61 @@ void norm_forward_row(const void* x, DType t, const float* w, const float* b, vo
   *rstd_out = rstd;
 }
 
-void norm_backward_row(const void* dy, DType dyt, const void* x, DType t, const float* w,
-                       float mean, float rstd, void* dx, int64_t cols, bool rms, float* scratch,
-                       double* dw_acc, double* db_acc) {
-  const float* __restrict xf = load(t, const_cast<void*>(x), scratch, cols);
-  const float* __restrict dyf = load(dyt, const_cast<void*>(dy), scratch + cols, cols);
-  float sum_g = 0.0f;
-  float sum_gx = 0.0f;
+void norm_backward_row(const NormRowBackward& r) {
+  const int64_t cols = r.cols;
+  float* __restrict xh = r.scratch + 2 * cols;  // x_hat, then dx in place
   {
-    float acc_g[16] = {};
-    float acc_gx[16] = {};
-    int64_t i = 0;
-    for (; i + 16 <= cols; i += 16) {
-      for (int j = 0; j < 16; ++j) {
-        const float g = dyf[i + j] * (w != nullptr ? w[i + j] : 1.0f);
-        acc_g[j] += g;
-        acc_gx[j] += g * ((xf[i + j] - mean) * rstd);
-      }
+    const float* __restrict src = load(r.src_dtype, const_cast<void*>(r.src), r.scratch, cols);
+    if (!r.from_output) {
+      for (int64_t i = 0; i < cols; ++i) xh[i] = (src[i] - r.mean) * r.rstd;
+    } else if (r.w != nullptr && r.b != nullptr) {
+      for (int64_t i = 0; i < cols; ++i) xh[i] = (src[i] - r.b[i]) / r.w[i];
+    } else if (r.w != nullptr) {
+      for (int64_t i = 0; i < cols; ++i) xh[i] = src[i] / r.w[i];
+    } else if (r.b != nullptr) {
+      for (int64_t i = 0; i < cols; ++i) xh[i] = src[i] - r.b[i];
+    } else {
+      for (int64_t i = 0; i < cols; ++i) xh[i] = src[i];
     }
-    for (; i < cols; ++i) {
-      const float g = dyf[i] * (w != nullptr ? w[i] : 1.0f);
-      acc_g[0] += g;
-      acc_gx[0] += g * ((xf[i] - mean) * rstd);
-    }
-    double tg = 0.0;
-    double tgx = 0.0;
+  }
+  const float* __restrict dyf = load(r.dy_dtype, const_cast<void*>(r.dy), r.scratch + cols, cols);
+  const float* __restrict w = r.w;
+  float acc_g[16] = {};
+  float acc_gx[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= cols; i += 16) {
     for (int j = 0; j < 16; ++j) {
-      tg += acc_g[j];
-      tgx += acc_gx[j];
+      const float g = dyf[i + j] * (w != nullptr ? w[i + j] : 1.0f);
+      acc_g[j] += g;
+      acc_gx[j] += g * xh[i + j];
     }
-    sum_g = static_cast<float>(tg);
-    sum_gx = static_cast<float>(tgx);
+  }
+  for (; i < cols; ++i) {
+    const float g = dyf[i] * (w != nullptr ? w[i] : 1.0f);
+    acc_g[0] += g;
+    acc_gx[0] += g * xh[i];
+  }
+  double tg = 0.0;
+  double tgx = 0.0;
+  for (int j = 0; j < 16; ++j) {
+    tg += acc_g[j];
+    tgx += acc_gx[j];
   }
   const float inv_n = 1.0f / static_cast<float>(cols);
-  const float c_x = sum_gx * inv_n;
-  const float c_0 = rms ? 0.0f : sum_g * inv_n;
-  if (dw_acc != nullptr || db_acc != nullptr) {
-    for (int64_t i = 0; i < cols; ++i) {
-      if (dw_acc != nullptr) dw_acc[i] += static_cast<double>(dyf[i] * ((xf[i] - mean) * rstd));
-      if (db_acc != nullptr) db_acc[i] += static_cast<double>(dyf[i]);
-    }
+  const float c_x = static_cast<float>(tgx) * inv_n;
+  const float c_0 = r.rms ? 0.0f : static_cast<float>(tg) * inv_n;
+  if (r.dw_acc != nullptr) {
+    for (int64_t k = 0; k < cols; ++k) r.dw_acc[k] += static_cast<double>(dyf[k] * xh[k]);
   }
-  float* __restrict out = t == DType::kFloat32 ? static_cast<float*>(dx) : scratch + 2 * cols;
-  for (int64_t i = 0; i < cols; ++i) {
-    const float g = dyf[i] * (w != nullptr ? w[i] : 1.0f);
-    const float xh = (xf[i] - mean) * rstd;
-    out[i] = rstd * (g - c_0 - xh * c_x);
+  if (r.db_acc != nullptr) {
+    for (int64_t k = 0; k < cols; ++k) r.db_acc[k] += static_cast<double>(dyf[k]);
   }
-  store(t, out, dx, cols);
+  float* __restrict out = r.dx_dtype == DType::kFloat32 ? static_cast<float*>(r.dx) : xh;
+  for (int64_t k = 0; k < cols; ++k) {
+    const float g = dyf[k] * (w != nullptr ? w[k] : 1.0f);
+    out[k] = r.rstd * (g - c_0 - xh[k] * c_x);
+  }
+  store(r.dx_dtype, out, r.dx, cols);
 }
 
 #define APEX_STR_(x) #x

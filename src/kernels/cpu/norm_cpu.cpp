@@ -44,7 +44,13 @@ void norm_forward(const NormForwardArgs& a) {
 
 void norm_backward(const NormBackwardArgs& a) {
   const std::vector<float> w = to_float(a.w, a.w_dtype, a.cols);
-  const int64_t elem = a.x_dtype == DType::kFloat32 ? 4 : 2;
+  const bool from_output = a.y != nullptr;
+  const std::vector<float> b =
+      from_output ? to_float(a.b, a.w_dtype, a.cols) : std::vector<float>{};
+  const void* src = from_output ? a.y : a.x;
+  const DType src_dtype = from_output ? a.dy_dtype : a.x_dtype;
+  const int64_t src_elem = src_dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t dx_elem = a.x_dtype == DType::kFloat32 ? 4 : 2;
   const int64_t dy_elem = a.dy_dtype == DType::kFloat32 ? 4 : 2;
   const bool want_w = a.dw != nullptr;
   const bool want_b = a.db != nullptr;
@@ -56,17 +62,27 @@ void norm_backward(const NormBackwardArgs& a) {
   std::vector<double> db_part(want_b ? static_cast<size_t>(blocks) * cols : 0, 0.0);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(3 * cols);
+    NormRowBackward row{};
+    row.dy_dtype = a.dy_dtype;
+    row.src_dtype = src_dtype;
+    row.from_output = from_output;
+    row.w = w.empty() ? nullptr : w.data();
+    row.b = b.empty() ? nullptr : b.data();
+    row.dx_dtype = a.x_dtype;
+    row.cols = a.cols;
+    row.rms = a.rms;
+    row.scratch = scratch.data();
     for (int64_t blk = begin; blk < end; ++blk) {
-      double* dw_acc = want_w ? dw_part.data() + static_cast<size_t>(blk) * cols : nullptr;
-      double* db_acc = want_b ? db_part.data() + static_cast<size_t>(blk) * cols : nullptr;
+      row.dw_acc = want_w ? dw_part.data() + static_cast<size_t>(blk) * cols : nullptr;
+      row.db_acc = want_b ? db_part.data() + static_cast<size_t>(blk) * cols : nullptr;
       const int64_t r_end = std::min(a.rows, (blk + 1) * per_block);
       for (int64_t r = blk * per_block; r < r_end; ++r) {
-        const size_t off = static_cast<size_t>(r * a.cols * elem);
-        table().norm_backward_row(static_cast<const char*>(a.dy) + r * a.cols * dy_elem, a.dy_dtype,
-                                  static_cast<const char*>(a.x) + off, a.x_dtype,
-                                  w.empty() ? nullptr : w.data(), a.rms ? 0.0f : a.mean[r],
-                                  a.rstd[r], static_cast<char*>(a.dx) + off, a.cols, a.rms,
-                                  scratch.data(), dw_acc, db_acc);
+        row.dy = static_cast<const char*>(a.dy) + r * a.cols * dy_elem;
+        row.src = static_cast<const char*>(src) + r * a.cols * src_elem;
+        row.mean = a.rms || from_output ? 0.0f : a.mean[r];
+        row.rstd = a.rstd[r];
+        row.dx = static_cast<char*>(a.dx) + r * a.cols * dx_elem;
+        table().norm_backward_row(row);
       }
     }
   });

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include "kernels/multi_tensor.h"
+#include "kernels/norm.h"
 
 namespace apex::kernels::cuda {
 
@@ -23,5 +24,13 @@ APEX_NO_CUDA(lamb_stage2, const LambArgs&)
 APEX_NO_CUDA(novograd, const NovoGradArgs&)
 
 #undef APEX_NO_CUDA
+
+void norm_forward(const NormForwardArgs&, void*) {
+  TORCH_CHECK(false, "apex-cpp was built without CUDA kernels (norm_forward)");
+}
+
+void norm_backward(const NormBackwardArgs&, void*) {
+  TORCH_CHECK(false, "apex-cpp was built without CUDA kernels (norm_backward)");
+}
 
 }  // namespace apex::kernels::cuda
