@@ -95,12 +95,12 @@ void report(const Config& cfg, const std::string& area, const std::vector<Row>& 
   const int threads = at::get_num_threads();
   std::printf("\napex-bench %s  device=%s threads=%d cpu_isa=%s\n", area.c_str(),
               cfg.device.str().c_str(), threads, apex::optim::cpu_kernel_isa());
-  std::printf("%-9s %-46s %9s %9s %8s %8s %8s %7s\n", "model", "case", "ours ms", "peer ms",
+  std::printf("%-16s %-44s %9s %9s %8s %8s %8s %7s\n", "model", "case", "ours ms", "peer ms",
               "speedup", "GB/s", "limit", "of lim");
   for (const auto& r : rows) {
     const double gbs = r.bytes / (r.ours_ms * 1e6);
     const double limit = r.extra.count("stream_gbs") ? r.extra.at("stream_gbs") : 0.0;
-    std::printf("%-9s %-46s %9.2f %9.2f %7.2fx %8.1f %8.1f %6.0f%%\n", r.group.c_str(),
+    std::printf("%-16s %-44s %9.2f %9.2f %7.2fx %8.1f %8.1f %6.0f%%\n", r.group.c_str(),
                 r.name.c_str(), r.ours_ms, r.peer_ms, r.peer_ms / r.ours_ms, gbs, limit,
                 limit > 0 ? 100.0 * gbs / limit : 0.0);
   }

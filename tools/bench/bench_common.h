@@ -61,5 +61,6 @@ void report(const Config& cfg, const std::string& area, const std::vector<Row>& 
 bool selected(const Config& cfg, const std::string& name);
 
 int run_optim(const Config& cfg);
+int run_norm(const Config& cfg);
 
 }  // namespace apex::bench

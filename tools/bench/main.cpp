@@ -17,12 +17,15 @@ void usage(std::FILE* out) {
       "areas:\n"
       "  optim     FusedAdam, FusedSGD, FusedLAMB on ResNet-50 / BERT-base parameter "
       "lists\n"
+      "  norm      FusedLayerNorm / FusedRMSNorm against at::layer_norm / the composite "
+      "expression\n"
       "options:\n"
       "  --device cpu|cuda   where to run (default cpu)\n"
       "  --threads N         intra-op threads (default: LibTorch's)\n"
       "  --repeats N         timed runs per case, the median is reported (default 10)\n"
       "  --warmup N          untimed runs first (default 2)\n"
-      "  --only NAME         only this model (resnet50, bert); repeatable\n"
+      "  --only NAME         only this model (optim: resnet50, bert) or shape (norm: 4096x1024);\n"
+      "                      repeatable\n"
       "  --json FILE         where to write the results (default apex-bench-<area>.json)\n");
 }
 
@@ -79,6 +82,7 @@ int main(int argc, char** argv) {
   if (cfg.threads > 0) at::set_num_threads(cfg.threads);
   try {
     if (area == "optim") return apex::bench::run_optim(cfg);
+    if (area == "norm") return apex::bench::run_norm(cfg);
     std::fprintf(stderr, "apex-bench: unknown area '%s' (see --help)\n", area.c_str());
     return 2;
   } catch (const c10::Error& e) {

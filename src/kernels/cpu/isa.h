@@ -34,8 +34,15 @@ struct NovoGradChunk {
   bool reg_inside_moment;
 };
 
+/// Distance in floats between the per-row scratch regions of the norm kernels: a little over a
+/// row, so that equal offsets in different regions do not share their low 12 address bits
+/// (loads after stores to such addresses stall on 4K aliasing).
+inline int64_t norm_scratch_stride(int64_t cols) { return cols + 48; }
+
 /// One row of the norm backward. x_hat comes from the input (src = x: (x - mean) * rstd) or, with
-/// from_output, from the forward output (src = y: (y - b) / w). w, b: fp32 [cols] or null.
+/// from_output, from the forward output (src = y: (y - b) / w). w and b are fp32 [cols] and always
+/// set (ones / zeros when the norm has none). dy * x_hat and dy are added to the fp32 partials
+/// dw_part / db_part [cols].
 struct NormRowBackward {
   const void* dy;
   DType dy_dtype;
@@ -50,9 +57,9 @@ struct NormRowBackward {
   DType dx_dtype;
   int64_t cols;
   bool rms;
-  float* scratch;  ///< 3*cols floats
-  double* dw_acc;
-  double* db_acc;
+  float* scratch;  ///< 4 regions of norm_scratch_stride(cols) floats
+  float* dw_part;
+  float* db_part;
 };
 
 struct IsaTable {
@@ -70,11 +77,11 @@ struct IsaTable {
   void (*novograd)(const Span&, const NovoGradChunk&);
   /// n values of src (stored as t) as fp32 into dst.
   void (*to_float)(const void* src, DType t, float* dst, int64_t n);
-  /// One row of LayerNorm/RMSNorm forward. w, b: fp32 [cols] or null. scratch: 2*cols floats.
+  /// One row of LayerNorm/RMSNorm forward. w, b: fp32 [cols] or null. scratch: 2 regions.
   void (*norm_forward_row)(const void* x, DType t, const float* w, const float* b, void* y,
                            DType yt, int64_t cols, bool rms, float eps, float* scratch, float* mean,
                            float* rstd);
-  /// One row of the backward; adds dy*x_hat and dy into dw_acc/db_acc (fp64, may be null).
+  /// One row of the backward (see NormRowBackward).
   void (*norm_backward_row)(const NormRowBackward& row);
 };
 

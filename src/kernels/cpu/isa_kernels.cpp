@@ -414,35 +414,50 @@ void novograd_chunk(const Span& s, const NovoGradChunk& a) {
 
 // ---- normalization rows ---------------------------------------------------------------------
 
-float lane_sum(const float* __restrict x, int64_t n) {
-  float acc[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    for (int j = 0; j < 16; ++j) acc[j] += x[i + j];
+// Row reductions keep kLanes independent fp32 partial sums (four vector registers on AVX-512,
+// eight on AVX2), so the adds pipeline instead of waiting on one register; the partials are
+// combined by a pairwise tree in a fixed order.
+constexpr int kLanes = 64;
+
+// Pairwise tree over the partials (halves added element-wise, so it vectorizes); fixed order.
+template <int N>
+float combine(float (&acc)[N]) {
+  for (int half = N / 2; half >= 1; half /= 2) {
+    for (int j = 0; j < half; ++j) acc[j] += acc[j + half];
   }
-  for (; i < n; ++i) acc[0] += x[i];
-  double total = 0.0;
-  for (float a : acc) total += a;
-  return static_cast<float>(total);
+  return acc[0];
 }
 
-// Sum of (x - c)^2: the second pass of a two-pass variance (stable for any mean).
-float lane_centered_sumsq(const float* __restrict x, int64_t n, float c) {
-  float acc[16] = {};
+// Sum of (x - c)^2 with L partials (c = 0: the plain sum of squares; kSquare false: sum of x).
+template <int L, bool kSquare>
+float lane_reduce(const float* __restrict x, int64_t n, float c) {
+  float acc[L] = {};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    for (int j = 0; j < 16; ++j) {
+  for (; i + L <= n; i += L) {
+    for (int j = 0; j < L; ++j) {
       const float d = x[i + j] - c;
-      acc[j] += d * d;
+      acc[j] += kSquare ? d * d : x[i + j];
     }
   }
   for (; i < n; ++i) {
     const float d = x[i] - c;
-    acc[0] += d * d;
+    acc[i % L] += kSquare ? d * d : x[i];
   }
-  double total = 0.0;
-  for (float a : acc) total += a;
-  return static_cast<float>(total);
+  return combine(acc);
+}
+
+// Short rows take 16 partials: the tree over 64 would cost more than the row.
+template <bool kSquare>
+float row_reduce(const float* __restrict x, int64_t n, float c) {
+  return n >= 4 * kLanes ? lane_reduce<kLanes, kSquare>(x, n, c)
+                         : lane_reduce<16, kSquare>(x, n, c);
+}
+
+float lane_sum(const float* __restrict x, int64_t n) { return row_reduce<false>(x, n, 0.0f); }
+
+// Sum of (x - c)^2: the second pass of a two-pass variance (stable for any mean).
+float lane_centered_sumsq(const float* __restrict x, int64_t n, float c) {
+  return row_reduce<true>(x, n, c);
 }
 
 void to_float_values(const void* src, DType t, float* dst, int64_t n) {
@@ -458,7 +473,8 @@ void norm_forward_row(const void* x, DType t, const float* w, const float* b, vo
   const float mean = rms ? 0.0f : lane_sum(xf, cols) * inv_n;
   const float var = lane_centered_sumsq(xf, cols, mean) * inv_n;
   const float rstd = 1.0f / __builtin_sqrtf(var + eps);
-  float* __restrict out = yt == DType::kFloat32 ? static_cast<float*>(y) : scratch + cols;
+  float* __restrict out =
+      yt == DType::kFloat32 ? static_cast<float*>(y) : scratch + norm_scratch_stride(cols);
   const float* __restrict in = xf;
   if (w != nullptr && b != nullptr) {
     for (int64_t i = 0; i < cols; ++i) out[i] = (in[i] - mean) * rstd * w[i] + b[i];
@@ -472,61 +488,71 @@ void norm_forward_row(const void* x, DType t, const float* w, const float* b, vo
   *rstd_out = rstd;
 }
 
-void norm_backward_row(const NormRowBackward& r) {
+// x_hat of element i of a backward row: from the input, or (kFromOutput) from the output y.
+template <bool kFromOutput>
+inline float x_hat(const NormRowBackward& r, const float* __restrict src, int64_t i) {
+  if constexpr (kFromOutput) {
+    return (src[i] - r.b[i]) / r.w[i];
+  } else {
+    return (src[i] - r.mean) * r.rstd;
+  }
+}
+
+// One backward row in three passes over src (x or y) and dy; only the first comes from memory,
+// the others find the row in L1. Nothing row-sized is stored besides dx and the dw/db partials,
+// which keeps the working set small.
+template <bool kFromOutput>
+void norm_backward_rows(const NormRowBackward& r, const float* __restrict src,
+                        const float* __restrict dy) {
   const int64_t cols = r.cols;
-  float* __restrict xh = r.scratch + 2 * cols;  // x_hat, then dx in place
-  {
-    const float* __restrict src = load(r.src_dtype, const_cast<void*>(r.src), r.scratch, cols);
-    if (!r.from_output) {
-      for (int64_t i = 0; i < cols; ++i) xh[i] = (src[i] - r.mean) * r.rstd;
-    } else if (r.w != nullptr && r.b != nullptr) {
-      for (int64_t i = 0; i < cols; ++i) xh[i] = (src[i] - r.b[i]) / r.w[i];
-    } else if (r.w != nullptr) {
-      for (int64_t i = 0; i < cols; ++i) xh[i] = src[i] / r.w[i];
-    } else if (r.b != nullptr) {
-      for (int64_t i = 0; i < cols; ++i) xh[i] = src[i] - r.b[i];
-    } else {
-      for (int64_t i = 0; i < cols; ++i) xh[i] = src[i];
+  const float* __restrict w = r.w;
+  {  // 1: weight/bias gradient partials.
+    float* __restrict dw = r.dw_part;
+    float* __restrict db = r.db_part;
+    for (int64_t i = 0; i < cols; ++i) {
+      dw[i] += dy[i] * x_hat<kFromOutput>(r, src, i);
+      db[i] += dy[i];
     }
   }
-  const float* __restrict dyf = load(r.dy_dtype, const_cast<void*>(r.dy), r.scratch + cols, cols);
-  const float* __restrict w = r.w;
-  float acc_g[16] = {};
-  float acc_gx[16] = {};
+  // 2: sum(g) and sum(g * x_hat), g = dy * w, with kLanes / 2 partials each (in registers).
+  constexpr int kHalf = kLanes / 2;
+  float acc_g[kHalf] = {};
+  float acc_gx[kHalf] = {};
   int64_t i = 0;
-  for (; i + 16 <= cols; i += 16) {
-    for (int j = 0; j < 16; ++j) {
-      const float g = dyf[i + j] * (w != nullptr ? w[i + j] : 1.0f);
+  for (; i + kHalf <= cols; i += kHalf) {
+    for (int j = 0; j < kHalf; ++j) {
+      const float g = dy[i + j] * w[i + j];
       acc_g[j] += g;
-      acc_gx[j] += g * xh[i + j];
+      acc_gx[j] += g * x_hat<kFromOutput>(r, src, i + j);
     }
   }
   for (; i < cols; ++i) {
-    const float g = dyf[i] * (w != nullptr ? w[i] : 1.0f);
+    const float g = dy[i] * w[i];
     acc_g[0] += g;
-    acc_gx[0] += g * xh[i];
-  }
-  double tg = 0.0;
-  double tgx = 0.0;
-  for (int j = 0; j < 16; ++j) {
-    tg += acc_g[j];
-    tgx += acc_gx[j];
+    acc_gx[0] += g * x_hat<kFromOutput>(r, src, i);
   }
   const float inv_n = 1.0f / static_cast<float>(cols);
-  const float c_x = static_cast<float>(tgx) * inv_n;
-  const float c_0 = r.rms ? 0.0f : static_cast<float>(tg) * inv_n;
-  if (r.dw_acc != nullptr) {
-    for (int64_t k = 0; k < cols; ++k) r.dw_acc[k] += static_cast<double>(dyf[k] * xh[k]);
-  }
-  if (r.db_acc != nullptr) {
-    for (int64_t k = 0; k < cols; ++k) r.db_acc[k] += static_cast<double>(dyf[k]);
-  }
-  float* __restrict out = r.dx_dtype == DType::kFloat32 ? static_cast<float*>(r.dx) : xh;
+  const float c_x = combine(acc_gx) * inv_n;
+  const float c_0 = r.rms ? 0.0f : combine(acc_g) * inv_n;
+  // 3: dx.
+  float* __restrict out = r.dx_dtype == DType::kFloat32 ? static_cast<float*>(r.dx)
+                                                        : r.scratch + 2 * norm_scratch_stride(cols);
+  const float rstd = r.rstd;
   for (int64_t k = 0; k < cols; ++k) {
-    const float g = dyf[k] * (w != nullptr ? w[k] : 1.0f);
-    out[k] = r.rstd * (g - c_0 - xh[k] * c_x);
+    out[k] = rstd * (dy[k] * w[k] - c_0 - x_hat<kFromOutput>(r, src, k) * c_x);
   }
   store(r.dx_dtype, out, r.dx, cols);
+}
+
+void norm_backward_row(const NormRowBackward& r) {
+  const int64_t stride = norm_scratch_stride(r.cols);
+  const float* src = load(r.src_dtype, const_cast<void*>(r.src), r.scratch, r.cols);
+  const float* dy = load(r.dy_dtype, const_cast<void*>(r.dy), r.scratch + stride, r.cols);
+  if (r.from_output) {
+    norm_backward_rows<true>(r, src, dy);
+  } else {
+    norm_backward_rows<false>(r, src, dy);
+  }
 }
 
 #define APEX_STR_(x) #x

@@ -31,7 +31,7 @@ void norm_forward(const NormForwardArgs& a) {
   const int64_t elem = a.x_dtype == DType::kFloat32 ? 4 : 2;
   const int64_t y_elem = a.y_dtype == DType::kFloat32 ? 4 : 2;
   at::parallel_for(0, a.rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(static_cast<size_t>(2 * a.cols));
+    std::vector<float> scratch(static_cast<size_t>(2 * norm_scratch_stride(a.cols)));
     for (int64_t r = begin; r < end; ++r) {
       table().norm_forward_row(static_cast<const char*>(a.x) + r * a.cols * elem, a.x_dtype,
                                w.empty() ? nullptr : w.data(), b.empty() ? nullptr : b.data(),
@@ -43,40 +43,59 @@ void norm_forward(const NormForwardArgs& a) {
 }
 
 void norm_backward(const NormBackwardArgs& a) {
-  const std::vector<float> w = to_float(a.w, a.w_dtype, a.cols);
   const bool from_output = a.y != nullptr;
-  const std::vector<float> b =
-      from_output ? to_float(a.b, a.w_dtype, a.cols) : std::vector<float>{};
+  std::vector<float> w = to_float(a.w, a.w_dtype, a.cols);
+  std::vector<float> b = from_output ? to_float(a.b, a.w_dtype, a.cols) : std::vector<float>{};
+  // The row kernel always multiplies by w (and subtracts b when from the output).
+  if (w.empty()) w.assign(static_cast<size_t>(a.cols), 1.0f);
+  if (b.empty()) b.assign(static_cast<size_t>(a.cols), 0.0f);
   const void* src = from_output ? a.y : a.x;
   const DType src_dtype = from_output ? a.dy_dtype : a.x_dtype;
   const int64_t src_elem = src_dtype == DType::kFloat32 ? 4 : 2;
   const int64_t dx_elem = a.x_dtype == DType::kFloat32 ? 4 : 2;
   const int64_t dy_elem = a.dy_dtype == DType::kFloat32 ? 4 : 2;
-  const bool want_w = a.dw != nullptr;
-  const bool want_b = a.db != nullptr;
-  // Fixed blocks of rows, each with its own fp64 partial sums.
+  // Fixed blocks of rows, each with its own fp64 sums of dw/db; inside a block, fp32 partials
+  // over groups of kGroup rows are added into them. The result does not depend on threads.
+  constexpr int64_t kGroup = 16;
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(a.rows, 32));
   const int64_t per_block = (a.rows + blocks - 1) / blocks;
   const size_t cols = static_cast<size_t>(a.cols);
-  std::vector<double> dw_part(want_w ? static_cast<size_t>(blocks) * cols : 0, 0.0);
-  std::vector<double> db_part(want_b ? static_cast<size_t>(blocks) * cols : 0, 0.0);
+  const bool want = a.dw != nullptr || a.db != nullptr;
+  std::vector<double> dw_sum(want ? static_cast<size_t>(blocks) * cols : 0, 0.0);
+  std::vector<double> db_sum(want ? static_cast<size_t>(blocks) * cols : 0, 0.0);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(3 * cols);
+    const auto stride = static_cast<size_t>(norm_scratch_stride(a.cols));
+    std::vector<float> scratch(6 * stride);
     NormRowBackward row{};
     row.dy_dtype = a.dy_dtype;
     row.src_dtype = src_dtype;
     row.from_output = from_output;
-    row.w = w.empty() ? nullptr : w.data();
-    row.b = b.empty() ? nullptr : b.data();
+    row.w = w.data();
+    row.b = b.data();
     row.dx_dtype = a.x_dtype;
     row.cols = a.cols;
     row.rms = a.rms;
     row.scratch = scratch.data();
+    row.dw_part = scratch.data() + 4 * stride;
+    row.db_part = scratch.data() + 5 * stride;
+    auto flush = [&](int64_t blk) {
+      if (!want) return;
+      double* dws = dw_sum.data() + static_cast<size_t>(blk) * cols;
+      double* dbs = db_sum.data() + static_cast<size_t>(blk) * cols;
+      for (size_t c = 0; c < cols; ++c) {
+        dws[c] += row.dw_part[c];
+        dbs[c] += row.db_part[c];
+      }
+    };
     for (int64_t blk = begin; blk < end; ++blk) {
-      row.dw_acc = want_w ? dw_part.data() + static_cast<size_t>(blk) * cols : nullptr;
-      row.db_acc = want_b ? db_part.data() + static_cast<size_t>(blk) * cols : nullptr;
+      const int64_t r_begin = blk * per_block;
       const int64_t r_end = std::min(a.rows, (blk + 1) * per_block);
-      for (int64_t r = blk * per_block; r < r_end; ++r) {
+      for (int64_t r = r_begin; r < r_end; ++r) {
+        if ((r - r_begin) % kGroup == 0) {
+          if (r != r_begin) flush(blk);
+          std::fill(row.dw_part, row.dw_part + cols, 0.0f);
+          std::fill(row.db_part, row.db_part + cols, 0.0f);
+        }
         row.dy = static_cast<const char*>(a.dy) + r * a.cols * dy_elem;
         row.src = static_cast<const char*>(src) + r * a.cols * src_elem;
         row.mean = a.rms || from_output ? 0.0f : a.mean[r];
@@ -84,17 +103,18 @@ void norm_backward(const NormBackwardArgs& a) {
         row.dx = static_cast<char*>(a.dx) + r * a.cols * dx_elem;
         table().norm_backward_row(row);
       }
+      if (r_end > r_begin) flush(blk);
     }
   });
-  for (size_t c = 0; c < cols; ++c) {
+  for (size_t c = 0; c < cols && want; ++c) {
     double sw = 0.0;
     double sb = 0.0;
     for (int64_t blk = 0; blk < blocks; ++blk) {
-      if (want_w) sw += dw_part[static_cast<size_t>(blk) * cols + c];
-      if (want_b) sb += db_part[static_cast<size_t>(blk) * cols + c];
+      sw += dw_sum[static_cast<size_t>(blk) * cols + c];
+      sb += db_sum[static_cast<size_t>(blk) * cols + c];
     }
-    if (want_w) a.dw[c] = static_cast<float>(sw);
-    if (want_b) a.db[c] = static_cast<float>(sb);
+    if (a.dw != nullptr) a.dw[c] = static_cast<float>(sw);
+    if (a.db != nullptr) a.db[c] = static_cast<float>(sb);
   }
 }
 
