@@ -1,0 +1,230 @@
+#include "train/cli.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <set>
+
+namespace apex::train {
+namespace {
+
+int64_t to_int(const std::string& flag, const std::string& v, int64_t min) {
+  char* end = nullptr;
+  const long long n = std::strtoll(v.c_str(), &end, 10);
+  TORCH_CHECK(!v.empty() && *end == '\0' && n >= min, "apex-train: ", flag,
+              " expects an integer >= ", min, ", got '", v, "'");
+  return n;
+}
+
+double to_double(const std::string& flag, const std::string& v, double min) {
+  char* end = nullptr;
+  const double d = std::strtod(v.c_str(), &end);
+  TORCH_CHECK(!v.empty() && *end == '\0' && d >= min && std::isfinite(d), "apex-train: ", flag,
+              " expects a number >= ", min, ", got '", v, "'");
+  return d;
+}
+
+std::string one_of(const std::string& flag, const std::string& v,
+                   const std::vector<std::string>& allowed) {
+  if (std::find(allowed.begin(), allowed.end(), v) != allowed.end()) return v;
+  std::string list;
+  for (const auto& a : allowed) list += (list.empty() ? "" : ", ") + a;
+  TORCH_CHECK(false, "apex-train: ", flag, " must be one of ", list, "; got '", v, "'");
+  return {};
+}
+
+const std::vector<std::string> kLevels = {"fp32", "O0", "O1", "O2", "O3"};
+const std::vector<std::string> kOptimizers = {
+    "fused-adam", "fused-lamb", "fused-sgd", "fused-novograd", "fused-adagrad", "adam", "sgd"};
+const std::vector<std::string> kData = {"shapes", "tokens", "tones", "mnist", "cifar10", "wav"};
+
+}  // namespace
+
+std::string usage() {
+  return R"(usage: apex-train [options]
+Trains a model with apex-cpp's mixed precision, one opt level or several side by side.
+With no options: --model transformer --compare O0,O1,O2 on built-in token data (~2 min on 2 cores).
+
+model and data
+  --model NAME          mlp | resnet | transformer | wav2vec2 (default transformer)
+  --width N             hidden units / base channels / model dim (family default: 512/16/256/256)
+  --depth N             hidden layers / blocks per stage / encoder layers (2/1/2/2)
+  --heads N             attention heads (4)
+  --data NAME           shapes | tokens | tones (built-in, learnable, seeded) |
+                        mnist | cifar10 | wav (files in --data-dir); default: the model's
+  --data-dir DIR        MNIST IDX files, CIFAR-10 binary batches, or one folder per class of
+                        16 kHz mono 16-bit WAV files
+  --train-size N        built-in data: training samples (8192 shapes, 16384 tokens, 4096 tones)
+  --test-size N         built-in data: held-out samples (1024, 2048, 512)
+  --seq-len N           tokens per sequence (64)      --vocab N     vocabulary (64)
+  --image-size N        shapes: image side (32)       --samples N   audio clip samples (4000)
+training
+  --opt-level L         fp32 (no apex) | O0 | O1 | O2 | O3 (default: compare O0,O1,O2)
+  --compare L1,L2,..    train the same model from the same weights at each level, each in its own
+                        process, and print a table (samples/s, speed-up, peak memory, loss,
+                        held-out accuracy, skipped steps, loss scale)
+  --half-dtype T        bf16 | fp16 (default bf16 on cpu, fp16 on cuda)
+  --loss-scale S        dynamic | a positive number (default: the level's)
+  --optimizer NAME      fused-adam | fused-lamb | fused-sgd | fused-novograd | fused-adagrad |
+                        adam | sgd (LibTorch's AdamW / SGD) (default fused-adam)
+  --batch-size N        samples per micro-batch (64)
+  --accumulate N        micro-batches per optimizer step (1)
+  --steps N             optimizer steps (default: the model's, about 1 minute per level)
+  --epochs N            passes over the training split, instead of --steps
+  --lr X                peak learning rate (1e-3)
+  --warmup N            linear warm-up steps, then cosine decay to lr/10 (default steps/10)
+  --weight-decay X      (0.01)
+  --clip X              clip the gradient norm to X (off)
+  --seed N              weights, data and order (0)
+  --device D            cpu | cuda (cpu)
+  --threads N           intra-op threads (LibTorch's default)
+output
+  --log-every N         steps per logged point (10)
+  --metrics FILE        JSON lines: one per logged step, then a summary record per level
+  --plot FILE.svg       the loss curves of every level on one chart
+  --checkpoint DIR      save model, optimizer and amp state (atomically) at the end
+  --checkpoint-every N  ... and every N steps
+  --resume              continue from the checkpoint in --checkpoint DIR (bit-identically)
+  --no-progress         no progress bar or lines
+  --help
+)";
+}
+
+Cli parse_cli(const std::vector<std::string>& args) {
+  Cli cli;
+  TrainOptions& o = cli.train;
+  bool level_set = false;
+  bool half_set = false;
+  bool warmup_set = false;
+  static const std::set<std::string> kPerLevel = {"--compare", "--opt-level",  "--plot",
+                                                  "--metrics", "--checkpoint", "--summary-out"};
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& flag = args[i];
+    if (flag == "--help" || flag == "-h") {
+      cli.help = true;
+      continue;
+    }
+    if (flag == "--resume" || flag == "--no-progress") {
+      if (flag == "--resume") {
+        o.resume = true;
+      } else {
+        o.progress = false;
+      }
+      cli.child_args.push_back(flag);
+      continue;
+    }
+    TORCH_CHECK(flag.rfind("--", 0) == 0, "apex-train: unexpected argument '", flag,
+                "' (see --help)");
+    TORCH_CHECK(i + 1 < args.size(), "apex-train: ", flag, " needs a value");
+    const std::string& v = args[++i];
+    if (kPerLevel.count(flag) == 0) {
+      cli.child_args.push_back(flag);
+      cli.child_args.push_back(v);
+    }
+    if (flag == "--model") {
+      o.model.family = one_of(flag, v, model_families());
+    } else if (flag == "--width") {
+      o.model.width = to_int(flag, v, 1);
+    } else if (flag == "--depth") {
+      o.model.depth = to_int(flag, v, 1);
+    } else if (flag == "--heads") {
+      o.model.heads = to_int(flag, v, 1);
+    } else if (flag == "--data") {
+      o.data = one_of(flag, v, kData);
+    } else if (flag == "--data-dir") {
+      o.data_dir = v;
+    } else if (flag == "--train-size") {
+      o.train_size = to_int(flag, v, 1);
+    } else if (flag == "--test-size") {
+      o.test_size = to_int(flag, v, 1);
+    } else if (flag == "--seq-len") {
+      o.seq_len = to_int(flag, v, 8);
+    } else if (flag == "--vocab") {
+      o.vocab = to_int(flag, v, 8);
+    } else if (flag == "--image-size") {
+      o.image_size = to_int(flag, v, 8);
+    } else if (flag == "--samples") {
+      o.samples = to_int(flag, v, 400);
+    } else if (flag == "--opt-level") {
+      o.opt_level = one_of(flag, v, kLevels);
+      level_set = true;
+    } else if (flag == "--compare") {
+      cli.compare.clear();
+      size_t start = 0;
+      while (start <= v.size()) {
+        const size_t comma = v.find(',', start);
+        const std::string level =
+            v.substr(start, comma == std::string::npos ? comma : comma - start);
+        cli.compare.push_back(one_of(flag, level, kLevels));
+        if (comma == std::string::npos) break;
+        start = comma + 1;
+      }
+      const std::set<std::string> unique(cli.compare.begin(), cli.compare.end());
+      TORCH_CHECK(unique.size() == cli.compare.size(),
+                  "apex-train: --compare lists a level twice: ", v);
+    } else if (flag == "--half-dtype") {
+      o.half_dtype = one_of(flag, v, {"bf16", "fp16"}) == "bf16" ? c10::kBFloat16 : c10::kHalf;
+      half_set = true;
+    } else if (flag == "--loss-scale") {
+      if (v != "dynamic") to_double(flag, v, 1e-30);
+      o.loss_scale = v;
+    } else if (flag == "--optimizer") {
+      o.optimizer = one_of(flag, v, kOptimizers);
+    } else if (flag == "--batch-size") {
+      o.batch_size = to_int(flag, v, 1);
+    } else if (flag == "--accumulate") {
+      o.accumulate = to_int(flag, v, 1);
+    } else if (flag == "--steps") {
+      o.steps = to_int(flag, v, 1);
+    } else if (flag == "--epochs") {
+      o.epochs = to_int(flag, v, 1);
+    } else if (flag == "--lr") {
+      o.lr = to_double(flag, v, 0.0);
+      TORCH_CHECK(o.lr > 0, "apex-train: --lr must be > 0, got '", v, "'");
+    } else if (flag == "--warmup") {
+      o.warmup = to_int(flag, v, 0);
+      warmup_set = true;
+    } else if (flag == "--weight-decay") {
+      o.weight_decay = to_double(flag, v, 0.0);
+    } else if (flag == "--clip") {
+      o.clip = to_double(flag, v, 0.0);
+    } else if (flag == "--seed") {
+      o.seed = static_cast<uint64_t>(to_int(flag, v, 0));
+    } else if (flag == "--device") {
+      o.device = c10::Device(one_of(flag, v, {"cpu", "cuda"}));
+    } else if (flag == "--threads") {
+      o.threads = static_cast<int>(to_int(flag, v, 1));
+    } else if (flag == "--log-every") {
+      o.log_every = to_int(flag, v, 1);
+    } else if (flag == "--metrics") {
+      o.metrics = v;
+    } else if (flag == "--plot") {
+      cli.plot = v;
+    } else if (flag == "--checkpoint") {
+      o.checkpoint = v;
+    } else if (flag == "--checkpoint-every") {
+      o.checkpoint_every = to_int(flag, v, 1);
+    } else if (flag == "--summary-out") {
+      cli.summary_out = v;
+    } else {
+      TORCH_CHECK(false, "apex-train: unknown option '", flag, "' (see --help)");
+    }
+  }
+  TORCH_CHECK(!(level_set && !cli.compare.empty()),
+              "apex-train: give either --opt-level or --compare, not both");
+  if (!level_set && cli.compare.empty()) cli.compare = {"O0", "O1", "O2"};
+  if (!half_set && o.device.is_cuda()) o.half_dtype = c10::kHalf;
+  TORCH_CHECK(!o.resume || !o.checkpoint.empty(), "apex-train: --resume needs --checkpoint DIR");
+  TORCH_CHECK(o.steps == 0 || o.epochs == 0, "apex-train: give either --steps or --epochs");
+  if (o.steps == 0 && o.epochs == 0) {
+    // About a minute per level on 2 CPU cores.
+    const std::string& f = o.model.family;
+    o.steps = f == "transformer" ? 160 : f == "resnet" ? 150 : f == "wav2vec2" ? 150 : 300;
+  }
+  if (!warmup_set) o.warmup = o.steps > 0 ? o.steps / 10 : 0;
+  return cli;
+}
+
+}  // namespace apex::train

@@ -1,0 +1,30 @@
+#pragma once
+
+// apex-train's command line: flags into TrainOptions, with one-line errors for bad input.
+
+#include <string>
+#include <vector>
+
+#include "train/trainer.h"
+
+namespace apex::train {
+
+struct Cli {
+  TrainOptions train;
+  std::vector<std::string> compare;  ///< levels to run side by side; empty: one run
+  std::string plot;                  ///< SVG path
+  std::string summary_out;           ///< (internal) where a --compare child writes its summary
+  bool help = false;
+  /// The arguments every --compare child gets (all but --compare/--opt-level/--plot/--metrics/
+  /// --checkpoint, which the parent sets per level).
+  std::vector<std::string> child_args;
+};
+
+/// Parses argv[1..]. No arguments: --model transformer --compare O0,O1,O2 on built-in data.
+/// Throws c10::Error "apex-train: ..." on unknown flags or values.
+Cli parse_cli(const std::vector<std::string>& args);
+
+/// --help text: every flag with its default.
+std::string usage();
+
+}  // namespace apex::train

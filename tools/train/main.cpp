@@ -1,0 +1,133 @@
+// apex-train: trains a model with apex-cpp's mixed precision, at one opt level or several side by
+// side (--compare), on built-in or real data. See `apex-train --help` and docs/train.md.
+#include <c10/util/Exception.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "train/cli.h"
+#include "train/data.h"
+#include "train/json.h"
+#include "train/report.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using apex::train::Cli;
+using apex::train::Summary;
+
+// Runs one level of a comparison in a child process (so each level's peak memory is its own) and
+// returns its summary; the child prints its own progress and errors.
+Summary run_child(const Cli& cli, const std::string& level, const fs::path& work) {
+  std::vector<std::string> args = {"/proc/self/exe"};
+  args.insert(args.end(), cli.child_args.begin(), cli.child_args.end());
+  const fs::path summary = work / (level + ".summary.json");
+  const fs::path metrics = work / (level + ".metrics.jsonl");
+  args.insert(args.end(), {"--opt-level", level, "--summary-out", summary.string(), "--metrics",
+                           metrics.string()});
+  if (!cli.train.checkpoint.empty()) {
+    args.insert(args.end(), {"--checkpoint", (fs::path(cli.train.checkpoint) / level).string()});
+  }
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = fork();
+  TORCH_CHECK(pid >= 0, "apex-train: fork failed");
+  if (pid == 0) {
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    std::perror("apex-train: exec");
+    _exit(127);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  TORCH_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "apex-train: the ", level,
+              " run failed (see its message above)");
+  std::ifstream in(summary);
+  std::string line;
+  std::getline(in, line);
+  Summary s = apex::train::summary_from_json(line);
+  // The child's curve comes from its metrics lines.
+  std::ifstream m(metrics);
+  while (std::getline(m, line)) {
+    if (line.find("\"summary\"") != std::string::npos) continue;
+    apex::train::StepRecord r;
+    r.step = static_cast<int64_t>(apex::train::json::get_number(line, "step"));
+    r.loss = apex::train::json::get_number(line, "loss");
+    r.loss_scale = apex::train::json::get_number(line, "loss_scale");
+    r.lr = apex::train::json::get_number(line, "lr");
+    r.samples_per_s = apex::train::json::get_number(line, "samples_per_s");
+    r.elapsed_s = apex::train::json::get_number(line, "elapsed_s");
+    s.curve.push_back(r);
+  }
+  return s;
+}
+
+int run(const Cli& cli) {
+  if (cli.compare.empty()) {
+    const auto data = apex::train::load_data(cli.train);
+    const Summary s = apex::train::train(cli.train, data);
+    if (!cli.summary_out.empty()) {
+      apex::train::write_file_atomic(cli.summary_out, apex::train::to_json(s) + "\n");
+      return 0;  // a --compare child: the parent prints
+    }
+    std::printf("%s\n%s", s.model.c_str(), apex::train::compare_table({s}).c_str());
+    if (!cli.plot.empty()) apex::train::write_svg(cli.plot, {s});
+    return 0;
+  }
+  // Check the data once before starting the children (a bad folder fails here, once).
+  {
+    const auto data = apex::train::load_data(cli.train);
+    std::printf("apex-train: %s, %lld train / %lld held-out samples, %lld steps of %lld, half %s\n",
+                cli.train.model.family.c_str(), static_cast<long long>(data.train.size()),
+                static_cast<long long>(data.test.size()), static_cast<long long>(cli.train.steps),
+                static_cast<long long>(cli.train.batch_size * cli.train.accumulate),
+                cli.train.half_dtype == c10::kBFloat16 ? "bf16" : "fp16");
+  }
+  const fs::path work = fs::temp_directory_path() / ("apex-train-" + std::to_string(getpid()));
+  fs::create_directories(work);
+  std::vector<Summary> runs;
+  try {
+    for (const auto& level : cli.compare) runs.push_back(run_child(cli, level, work));
+  } catch (...) {
+    fs::remove_all(work);
+    throw;
+  }
+  std::printf("\n%s\n%s", runs.front().model.c_str(), apex::train::compare_table(runs).c_str());
+  if (!cli.train.metrics.empty()) {
+    std::string all;
+    for (const auto& level : cli.compare) {
+      std::ifstream m(work / (level + ".metrics.jsonl"));
+      all.append(std::istreambuf_iterator<char>(m), std::istreambuf_iterator<char>());
+    }
+    apex::train::write_file_atomic(cli.train.metrics, all);
+  }
+  if (!cli.plot.empty()) apex::train::write_svg(cli.plot, runs);
+  fs::remove_all(work);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Cli cli = apex::train::parse_cli(std::vector<std::string>(argv + 1, argv + argc));
+    if (cli.help) {
+      std::printf("%s", apex::train::usage().c_str());
+      return 0;
+    }
+    return run(cli);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "apex-train: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,52 @@
+#pragma once
+
+// apex-train's model families: classifiers from inputs to logits [N, classes].
+//   mlp          flattened input (token ids through an embedding) -> ReLU MLP
+//   resnet       a small ResNet with BatchNorm (so keep_batchnorm_fp32 matters), 32x32-ish images
+//   transformer  a BERT-style encoder: token + position embeddings, post-LN blocks of multi-head
+//                attention and a GELU MLP with apex::normalization::FusedLayerNorm, mean pooling
+//   wav2vec2     a wav2vec 2.0-style model: a strided convolutional feature encoder over the raw
+//                waveform (GroupNorm after the first layer, GELU), a projection, a convolutional
+//                relative position embedding, then the transformer encoder blocks, mean pooling
+// tools/bench/train_peer.py defines the same architectures in Python for apex-bench train.
+
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace apex::train {
+
+struct Dataset;
+
+/// Sizes of a model; 0 means the family's default.
+struct ModelConfig {
+  std::string family = "transformer";
+  int64_t width = 0;  ///< mlp hidden units, resnet base channels, transformer/wav2vec2 model dim
+  int64_t depth = 0;  ///< mlp hidden layers, resnet blocks per stage, encoder layers
+  int64_t heads = 0;  ///< attention heads
+};
+
+/// The model families and their defaults, for --help and errors.
+const std::vector<std::string>& model_families();
+/// The data kind ("image", "tokens", "audio") a family accepts; mlp accepts every kind.
+bool family_accepts(const std::string& family, const std::string& kind);
+/// The config with the family's defaults filled in.
+ModelConfig resolved(ModelConfig config);
+
+class Classifier : public torch::nn::Module {
+ public:
+  virtual at::Tensor forward(const at::Tensor& inputs) = 0;
+};
+
+/// Builds the model for `data` (input shape, classes, vocabulary) with weights drawn from
+/// `seed`: the same seed gives the same initial weights at every opt level.
+std::shared_ptr<Classifier> make_model(const ModelConfig& config, const Dataset& data,
+                                       uint64_t seed);
+
+/// A one-line description, e.g. "transformer d=128 layers=2 heads=4 (0.41M parameters)".
+std::string describe(const ModelConfig& config, const torch::nn::Module& model);
+
+}  // namespace apex::train

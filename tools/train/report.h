@@ -1,0 +1,23 @@
+#pragma once
+
+// apex-train's outputs for people: the side-by-side table of --compare and the SVG loss chart.
+
+#include <string>
+#include <vector>
+
+#include "train/trainer.h"
+
+namespace apex::train {
+
+/// The comparison table: samples/s, speed-up over the first row, peak memory, final train loss,
+/// held-out accuracy, skipped steps, final loss scale.
+std::string compare_table(const std::vector<Summary>& runs);
+
+/// An SVG chart of the train-loss curves of every run, one polyline per level, with axes and a
+/// legend; written atomically (temporary file, then rename).
+void write_svg(const std::string& path, const std::vector<Summary>& runs);
+
+/// Writes `text` to `path` atomically; a one-line c10::Error on failure.
+void write_file_atomic(const std::string& path, const std::string& text);
+
+}  // namespace apex::train

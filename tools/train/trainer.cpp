@@ -1,0 +1,448 @@
+#include "train/trainer.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/randperm.h>
+#include <apex/amp/initialize.h>
+#include <apex/optim.h>
+#include <c10/util/Exception.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+
+#include "train/data.h"
+#include "train/json.h"
+#include "train/progress.h"
+
+namespace apex::train {
+namespace fs = std::filesystem;
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+std::string default_data(const std::string& family) {
+  if (family == "transformer") return "tokens";
+  if (family == "wav2vec2") return "tones";
+  return "shapes";
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainOptions& o,
+                                                        const std::vector<at::Tensor>& params) {
+  namespace ao = apex::optim;
+  const std::string& n = o.optimizer;
+  if (n == "fused-adam") {
+    return std::make_unique<ao::FusedAdam>(params,
+                                           ao::FusedAdamOptions(o.lr).weight_decay(o.weight_decay));
+  }
+  if (n == "fused-lamb") {
+    return std::make_unique<ao::FusedLAMB>(params,
+                                           ao::FusedLAMBOptions(o.lr).weight_decay(o.weight_decay));
+  }
+  if (n == "fused-sgd") {
+    return std::make_unique<ao::FusedSGD>(
+        params, ao::FusedSGDOptions(o.lr).momentum(0.9).weight_decay(o.weight_decay));
+  }
+  if (n == "fused-novograd") {
+    return std::make_unique<ao::FusedNovoGrad>(
+        params, ao::FusedNovoGradOptions(o.lr).weight_decay(o.weight_decay));
+  }
+  if (n == "fused-adagrad") {
+    return std::make_unique<ao::FusedAdagrad>(
+        params, ao::FusedAdagradOptions(o.lr).weight_decay(o.weight_decay));
+  }
+  if (n == "adam") {
+    return std::make_unique<torch::optim::AdamW>(
+        params, torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
+  }
+  TORCH_CHECK(n == "sgd", "apex-train: unknown optimizer '", n, "'");
+  return std::make_unique<torch::optim::SGD>(
+      params, torch::optim::SGDOptions(o.lr).momentum(0.9).weight_decay(o.weight_decay));
+}
+
+// Warm-up, then cosine decay to lr / 10.
+double lr_at(const TrainOptions& o, int64_t step, int64_t total) {
+  if (o.warmup > 0 && step < o.warmup) {
+    return o.lr * static_cast<double>(step + 1) / static_cast<double>(o.warmup);
+  }
+  const double span = static_cast<double>(std::max<int64_t>(1, total - o.warmup));
+  const double t = std::min(1.0, static_cast<double>(step - o.warmup) / span);
+  return o.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * t)));
+}
+
+// The sample order: a fresh permutation of the train split per epoch, drawn from the seed and the
+// epoch number only, so a resumed run sees the same batches.
+class Sampler {
+ public:
+  Sampler(int64_t n, uint64_t seed) : n_(n), seed_(seed) {}
+  at::Tensor indices(int64_t first, int64_t count) {
+    std::vector<at::Tensor> parts;
+    while (count > 0) {
+      const int64_t epoch = first / n_;
+      if (epoch != epoch_) {
+        auto gen =
+            at::detail::createCPUGenerator(seed_ * 1000003ULL + static_cast<uint64_t>(epoch));
+        perm_ = at::randperm(n_, gen, at::TensorOptions().dtype(at::kLong));
+        epoch_ = epoch;
+      }
+      const int64_t off = first % n_;
+      const int64_t take = std::min(count, n_ - off);
+      parts.push_back(perm_.slice(0, off, off + take));
+      first += take;
+      count -= take;
+    }
+    return parts.size() == 1 ? parts[0] : at::cat(parts);
+  }
+
+ private:
+  int64_t n_;
+  uint64_t seed_;
+  int64_t epoch_ = -1;
+  at::Tensor perm_;
+};
+
+// ---- checkpoints
+// ----------------------------------------------------------------------------------
+
+// What a checkpoint must match: the model (family, sizes, every parameter's shape), the level and
+// the optimizer.
+std::string signature(const TrainOptions& o, const torch::nn::Module& model) {
+  std::ostringstream s;
+  const ModelConfig c = resolved(o.model);
+  s << c.family << " width=" << c.width << " depth=" << c.depth << " heads=" << c.heads
+    << " level=" << o.opt_level << " optimizer=" << o.optimizer << " params=";
+  for (const auto& p : model.named_parameters()) s << p.key() << p.value().sizes() << ";";
+  return s.str();
+}
+
+void save_checkpoint(const TrainOptions& o, int64_t step, torch::nn::Module& model,
+                     torch::optim::Optimizer& optimizer, apex::amp::Amp* amp) {
+  const fs::path dir(o.checkpoint);
+  fs::create_directories(dir);
+  const fs::path tmp = dir / (".tmp-step-" + std::to_string(step));
+  const fs::path final_dir = dir / ("step-" + std::to_string(step));
+  try {
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+    {
+      torch::serialize::OutputArchive a;
+      model.save(a);
+      a.save_to((tmp / "model.pt").string());
+    }
+    {
+      torch::serialize::OutputArchive a;
+      optimizer.save(a);
+      a.save_to((tmp / "optimizer.pt").string());
+    }
+    if (amp != nullptr) amp->save((tmp / "amp.pt").string());
+    {
+      std::ofstream meta(tmp / "meta.json");
+      meta << "{\"step\": " << step << ", \"signature\": " << json::quote(signature(o, model))
+           << "}\n";
+      TORCH_CHECK(meta.good(), "apex-train: cannot write ", (tmp / "meta.json").string());
+    }
+    fs::remove_all(final_dir);
+    fs::rename(tmp, final_dir);
+    const fs::path latest_tmp = dir / ".latest.tmp";
+    {
+      std::ofstream latest(latest_tmp);
+      latest << final_dir.filename().string() << "\n";
+      TORCH_CHECK(latest.good(), "apex-train: cannot write ", latest_tmp.string());
+    }
+    fs::rename(latest_tmp, dir / "latest");
+  } catch (const std::exception& e) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    const auto* c10e = dynamic_cast<const c10::Error*>(&e);
+    TORCH_CHECK(false, "apex-train: saving checkpoint to ", dir.string(),
+                " failed: ", c10e ? c10e->what_without_backtrace() : e.what());
+  }
+  // Only the newest checkpoint is kept.
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("step-", 0) == 0 && entry.path() != final_dir) fs::remove_all(entry.path());
+  }
+}
+
+// Returns the step to continue from.
+int64_t load_checkpoint(const TrainOptions& o, torch::nn::Module& model,
+                        torch::optim::Optimizer& optimizer, apex::amp::Amp* amp) {
+  const fs::path dir(o.checkpoint);
+  std::ifstream latest(dir / "latest");
+  TORCH_CHECK(latest.good(), "apex-train: --resume: no checkpoint in ", dir.string(), " (missing ",
+              (dir / "latest").string(), ")");
+  std::string name;
+  std::getline(latest, name);
+  const fs::path ck = dir / name;
+  std::ifstream meta_file(ck / "meta.json");
+  TORCH_CHECK(meta_file.good(), "apex-train: --resume: ", (ck / "meta.json").string(),
+              " is missing");
+  const std::string meta((std::istreambuf_iterator<char>(meta_file)),
+                         std::istreambuf_iterator<char>());
+  const std::string theirs = json::get_string(meta, "signature");
+  const std::string ours = signature(o, model);
+  TORCH_CHECK(theirs == ours, "apex-train: --resume: checkpoint ", ck.string(),
+              " was written by another run (", theirs.substr(0, theirs.find(" params=")),
+              "), this run is ", ours.substr(0, ours.find(" params=")));
+  torch::serialize::InputArchive a;
+  a.load_from((ck / "model.pt").string());
+  model.load(a);
+  torch::serialize::InputArchive b;
+  b.load_from((ck / "optimizer.pt").string());
+  optimizer.load(b);
+  if (amp != nullptr) amp->load((ck / "amp.pt").string());
+  return static_cast<int64_t>(json::get_number(meta, "step"));
+}
+
+struct Eval {
+  double loss = 0;
+  double accuracy = 0;
+};
+
+Eval evaluate(Classifier& model, apex::amp::Amp* amp, std::shared_ptr<Classifier> holder,
+              const Dataset& test, c10::Device device, int64_t batch) {
+  const at::NoGradGuard no_grad;
+  model.eval();
+  double loss = 0;
+  int64_t correct = 0;
+  const int64_t n = test.size();
+  for (int64_t i = 0; i < n; i += batch) {
+    const int64_t e = std::min(n, i + batch);
+    const at::Tensor x = test.inputs.slice(0, i, e).to(device);
+    const at::Tensor y = test.labels.slice(0, i, e).to(device);
+    const at::Tensor logits = (amp ? amp->forward(holder, x) : holder->forward(x)).to(at::kFloat);
+    loss += at::cross_entropy_loss(logits, y, {}, at::Reduction::Sum).item<double>();
+    correct += logits.argmax(1).eq(y).sum().item<int64_t>();
+  }
+  model.train();
+  return {loss / static_cast<double>(std::max<int64_t>(n, 1)),
+          static_cast<double>(correct) / static_cast<double>(std::max<int64_t>(n, 1))};
+}
+
+}  // namespace
+
+Split load_data(const TrainOptions& o) {
+  const std::string name = o.data.empty() ? default_data(o.model.family) : o.data;
+  const bool file_based = name == "mnist" || name == "cifar10" || name == "wav";
+  TORCH_CHECK(!file_based || !o.data_dir.empty(), "apex-train: --data ", name,
+              " needs --data-dir DIR");
+  const uint64_t seed = o.seed + 12345;
+  if (name == "shapes") {
+    return synthetic_images(o.train_size > 0 ? o.train_size : 8192,
+                            o.test_size > 0 ? o.test_size : 1024, o.image_size, 1, seed);
+  }
+  if (name == "tokens") {
+    return synthetic_tokens(o.train_size > 0 ? o.train_size : 16384,
+                            o.test_size > 0 ? o.test_size : 2048, o.seq_len, o.vocab, seed);
+  }
+  if (name == "tones") {
+    return synthetic_audio(o.train_size > 0 ? o.train_size : 4096,
+                           o.test_size > 0 ? o.test_size : 512, o.samples, seed);
+  }
+  if (name == "mnist") return load_mnist(o.data_dir);
+  if (name == "cifar10") return load_cifar10(o.data_dir);
+  TORCH_CHECK(name == "wav", "apex-train: unknown --data '", name,
+              "' (expected shapes, tokens, tones, mnist, cifar10 or wav)");
+  return load_wav_folder(o.data_dir, o.samples, 0.2, o.seed);
+}
+
+double peak_rss_mb() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;  // kB
+  }
+  return 0.0;
+}
+
+Summary train(const TrainOptions& o, const Split& data) {
+  TORCH_CHECK(o.batch_size > 0, "apex-train: --batch-size must be > 0, got ", o.batch_size);
+  TORCH_CHECK(o.accumulate > 0, "apex-train: --accumulate must be > 0, got ", o.accumulate);
+  TORCH_CHECK(data.train.size() > 0 && data.test.size() > 0,
+              "apex-train: the data has an empty train or test split");
+  if (o.threads > 0) at::set_num_threads(o.threads);
+  const bool plain = o.opt_level == "fp32";
+  const int64_t per_step = o.batch_size * o.accumulate;
+  const int64_t total =
+      o.steps > 0
+          ? o.steps
+          : std::max<int64_t>(1, (std::max<int64_t>(o.epochs, 1) * data.train.size()) / per_step);
+
+  std::shared_ptr<Classifier> model = make_model(o.model, data.train, o.seed);
+  model->to(o.device);
+  std::unique_ptr<torch::optim::Optimizer> optimizer = make_optimizer(o, model->parameters());
+  std::optional<apex::amp::Amp> amp;
+  if (!plain) {
+    apex::amp::Options ao(apex::amp::parse_opt_level(o.opt_level));
+    ao.half_dtype(o.half_dtype).verbosity(0);
+    if (!o.loss_scale.empty()) ao.loss_scale(apex::amp::LossScale::parse(o.loss_scale));
+    amp.emplace(apex::amp::initialize({model}, {optimizer.get()}, ao));
+  }
+  apex::amp::Amp* ampp = amp ? &*amp : nullptr;
+  int64_t start = 0;
+  if (o.resume) start = load_checkpoint(o, *model, *optimizer, ampp);
+
+  Summary s;
+  s.level = o.opt_level;
+  s.model = describe(o.model, *model);
+  Sampler sampler(data.train.size(), o.seed);
+  std::FILE* metrics = nullptr;
+  if (!o.metrics.empty()) {
+    metrics = std::fopen(o.metrics.c_str(), o.resume ? "a" : "w");
+    TORCH_CHECK(metrics != nullptr, "apex-train: cannot write --metrics ", o.metrics);
+  }
+  Progress progress(o.opt_level, total, o.progress);
+  const auto t0 = Clock::now();
+  double train_seconds = 0;
+  at::Tensor window_loss = at::zeros({}, at::TensorOptions().dtype(at::kDouble));
+  int64_t window_steps = 0;
+  int64_t skipped_at_window = ampp ? ampp->skipped_steps() : 0;
+  int64_t window_start_step = start;
+  double last_logged_time = 0;
+  try {
+    for (int64_t step = start; step < total; ++step) {
+      const auto step_t0 = Clock::now();
+      const double lr = lr_at(o, step, total);
+      for (auto& g : optimizer->param_groups()) g.options().set_lr(lr);
+      if (ampp) {
+        ampp->zero_grad();
+      } else {
+        optimizer->zero_grad();
+      }
+      for (int64_t micro = 0; micro < o.accumulate; ++micro) {
+        const at::Tensor idx =
+            sampler.indices((step * o.accumulate + micro) * o.batch_size, o.batch_size);
+        const at::Tensor x = data.train.inputs.index_select(0, idx).to(o.device);
+        const at::Tensor y = data.train.labels.index_select(0, idx).to(o.device);
+        const at::Tensor logits = ampp ? ampp->forward(model, x) : model->forward(x);
+        at::Tensor loss = at::cross_entropy_loss(logits.to(at::kFloat), y);
+        window_loss += loss.detach().to(at::kCPU, at::kDouble) / static_cast<double>(o.accumulate);
+        if (o.accumulate > 1) loss = loss / static_cast<double>(o.accumulate);
+        if (ampp) {
+          ampp->scale_loss(loss, 0,
+                           apex::amp::ScaleLossOptions().delay_unscale(micro + 1 < o.accumulate))
+              .backward();
+        } else {
+          loss.backward();
+        }
+      }
+      if (o.clip > 0) {
+        apex::optim::clip_grad_norm_(ampp ? ampp->master_params() : model->parameters(), o.clip);
+      }
+      if (ampp) {
+        ampp->step();
+      } else {
+        optimizer->step();
+      }
+      ++window_steps;
+      train_seconds += seconds_since(step_t0);
+      const bool last = step + 1 == total;
+      if ((step + 1) % o.log_every == 0 || last) {
+        StepRecord r;
+        r.step = step + 1;
+        r.loss = window_loss.item<double>() / static_cast<double>(window_steps);
+        r.loss_scale = ampp ? ampp->loss_scale() : 1.0;
+        r.lr = lr;
+        r.elapsed_s = seconds_since(t0);
+        r.samples_per_s = static_cast<double>(window_steps * per_step) /
+                          std::max(1e-9, train_seconds - last_logged_time);
+        last_logged_time = train_seconds;
+        const int64_t skipped = ampp ? ampp->skipped_steps() : 0;
+        TORCH_CHECK(std::isfinite(r.loss) || ampp != nullptr, "apex-train: the loss became ",
+                    r.loss, " by step ", r.step, " at ", o.opt_level,
+                    " (no loss scaling here): training diverged; lower --lr (", o.lr, ")");
+        TORCH_CHECK(
+            !(ampp && skipped - skipped_at_window == window_steps && window_steps >= 10),
+            "apex-train: every one of the last ", window_steps, " steps overflowed (loss scale ",
+            r.loss_scale, ") at ", o.opt_level,
+            ": the loss scale is stuck at its floor and training has diverged; lower --lr (", o.lr,
+            ") or use bf16");
+        s.curve.push_back(r);
+        progress.update(r);
+        if (metrics != nullptr) {
+          std::fprintf(metrics, "%s\n", json::step_record(o.opt_level, r).c_str());
+          std::fflush(metrics);
+        }
+        s.final_loss = r.loss;
+        window_loss.zero_();
+        window_steps = 0;
+        skipped_at_window = skipped;
+        window_start_step = step + 1;
+      }
+      if (!o.checkpoint.empty() &&
+          (last || (o.checkpoint_every > 0 && (step + 1) % o.checkpoint_every == 0))) {
+        save_checkpoint(o, step + 1, *model, *optimizer, ampp);
+      }
+    }
+  } catch (...) {
+    progress.finish();
+    if (metrics != nullptr) std::fclose(metrics);
+    throw;
+  }
+  progress.finish();
+  (void)window_start_step;
+  const Eval e = evaluate(*model, ampp, model, data.test, o.device, 256);
+  s.steps = total - start;
+  s.samples = s.steps * per_step;
+  s.train_seconds = train_seconds;
+  s.samples_per_s = static_cast<double>(s.samples) / std::max(1e-9, train_seconds);
+  s.test_loss = e.loss;
+  s.test_accuracy = e.accuracy;
+  s.skipped_steps = ampp ? ampp->skipped_steps() : 0;
+  s.loss_scale = ampp ? ampp->loss_scale() : 1.0;
+  s.peak_rss_mb = peak_rss_mb();
+  if (metrics != nullptr) {
+    std::fprintf(metrics, "%s\n", to_json(s).c_str());
+    std::fclose(metrics);
+  }
+  return s;
+}
+
+std::string to_json(const Summary& s) {
+  std::ostringstream out;
+  out << "{\"summary\": true, \"level\": " << json::quote(s.level)
+      << ", \"model\": " << json::quote(s.model) << ", \"steps\": " << s.steps
+      << ", \"samples\": " << s.samples << ", \"train_seconds\": " << json::num(s.train_seconds)
+      << ", \"samples_per_s\": " << json::num(s.samples_per_s)
+      << ", \"final_loss\": " << json::num(s.final_loss)
+      << ", \"test_loss\": " << json::num(s.test_loss)
+      << ", \"test_accuracy\": " << json::num(s.test_accuracy)
+      << ", \"skipped_steps\": " << s.skipped_steps
+      << ", \"loss_scale\": " << json::num(s.loss_scale)
+      << ", \"peak_rss_mb\": " << json::num(s.peak_rss_mb)
+      << ", \"peak_allocated_mb\": " << json::num(s.peak_allocated_mb) << "}";
+  return out.str();
+}
+
+Summary summary_from_json(const std::string& line) {
+  Summary s;
+  s.level = json::get_string(line, "level");
+  s.model = json::get_string(line, "model");
+  s.steps = static_cast<int64_t>(json::get_number(line, "steps"));
+  s.samples = static_cast<int64_t>(json::get_number(line, "samples"));
+  s.train_seconds = json::get_number(line, "train_seconds");
+  s.samples_per_s = json::get_number(line, "samples_per_s");
+  s.final_loss = json::get_number(line, "final_loss");
+  s.test_loss = json::get_number(line, "test_loss");
+  s.test_accuracy = json::get_number(line, "test_accuracy");
+  s.skipped_steps = static_cast<int64_t>(json::get_number(line, "skipped_steps"));
+  s.loss_scale = json::get_number(line, "loss_scale");
+  s.peak_rss_mb = json::get_number(line, "peak_rss_mb");
+  s.peak_allocated_mb = json::get_number(line, "peak_allocated_mb");
+  return s;
+}
+
+}  // namespace apex::train

@@ -1,0 +1,95 @@
+#pragma once
+
+// apex-train's training run: one model at one opt level, from options to a summary. The CLI
+// (cli.h) fills TrainOptions; --compare runs one of these per level, each in its own process.
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "train/models.h"
+
+namespace apex::train {
+
+struct Split;
+
+struct TrainOptions {
+  ModelConfig model;
+  std::string data;        ///< shapes | tokens | tones | mnist | cifar10 | wav ("" = the model's)
+  std::string data_dir;    ///< for mnist, cifar10, wav
+  int64_t train_size = 0;  ///< synthetic samples (0 = default)
+  int64_t test_size = 0;
+  int64_t seq_len = 64;
+  int64_t vocab = 64;
+  int64_t image_size = 32;
+  int64_t samples = 4000;        ///< audio clip length
+  std::string opt_level = "O1";  ///< "fp32" (no apex at all) or O0..O3
+  c10::ScalarType half_dtype = c10::kBFloat16;
+  std::string loss_scale;  ///< "" (the level's default), "dynamic" or a number
+  std::string optimizer = "fused-adam";
+  int64_t batch_size = 64;
+  int64_t steps = 0;   ///< optimizer steps (0: from epochs)
+  int64_t epochs = 0;  ///< passes over the train split (used when steps == 0)
+  double lr = 1e-3;
+  int64_t warmup = 0;  ///< linear warm-up steps, then cosine decay to lr/10
+  double weight_decay = 0.01;
+  uint64_t seed = 0;
+  c10::Device device = c10::kCPU;
+  int threads = 0;
+  int64_t accumulate = 1;  ///< micro-batches per optimizer step
+  double clip = 0.0;       ///< max gradient norm (0: off)
+  int64_t log_every = 10;
+  std::string metrics;           ///< JSON-lines file
+  std::string checkpoint;        ///< directory
+  int64_t checkpoint_every = 0;  ///< steps (0: only at the end)
+  bool resume = false;
+  bool progress = true;  ///< progress bar on a terminal, lines otherwise
+};
+
+/// One logged step.
+struct StepRecord {
+  int64_t step = 0;
+  double loss = 0;
+  double loss_scale = 1;
+  double lr = 0;
+  double samples_per_s = 0;
+  double elapsed_s = 0;
+};
+
+struct Summary {
+  std::string level;
+  std::string model;
+  int64_t steps = 0;
+  int64_t samples = 0;
+  double train_seconds = 0;
+  double samples_per_s = 0;
+  double final_loss = 0;  ///< mean train loss over the last logged window
+  double test_loss = 0;
+  double test_accuracy = 0;
+  int64_t skipped_steps = 0;
+  double loss_scale = 1;
+  double peak_rss_mb = 0;        ///< the process's high-water mark (VmHWM)
+  double peak_allocated_mb = 0;  ///< CUDA allocator peak (0 on CPU)
+  std::vector<StepRecord> curve;
+};
+
+/// Loads (or generates) the data the options name; errors are one-line c10::Errors.
+Split load_data(const TrainOptions& options);
+
+/// Trains and evaluates. Writes metrics / checkpoints as the options say. Throws c10::Error with
+/// a one-line message on bad input or divergence.
+Summary train(const TrainOptions& options, const Split& data);
+
+/// Summary as one JSON object (the metrics file's last line), and back.
+std::string to_json(const Summary& s);
+Summary summary_from_json(const std::string& line);
+
+/// Peak resident set of this process in MiB (VmHWM from /proc/self/status).
+double peak_rss_mb();
+
+}  // namespace apex::train
