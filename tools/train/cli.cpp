@@ -87,6 +87,7 @@ output
   --checkpoint DIR      save model, optimizer and amp state (atomically) at the end
   --checkpoint-every N  ... and every N steps
   --resume              continue from the checkpoint in --checkpoint DIR (bit-identically)
+  --stop-after N        stop after step N as if interrupted (checkpoint first): tests resume
   --no-progress         no progress bar or lines
   --help
 )";
@@ -206,6 +207,8 @@ Cli parse_cli(const std::vector<std::string>& args) {
       o.checkpoint = v;
     } else if (flag == "--checkpoint-every") {
       o.checkpoint_every = to_int(flag, v, 1);
+    } else if (flag == "--stop-after") {
+      o.stop_after = to_int(flag, v, 1);
     } else if (flag == "--summary-out") {
       cli.summary_out = v;
     } else {

@@ -131,10 +131,10 @@ std::string signature(const TrainOptions& o, const torch::nn::Module& model) {
 void save_checkpoint(const TrainOptions& o, int64_t step, torch::nn::Module& model,
                      torch::optim::Optimizer& optimizer, apex::amp::Amp* amp) {
   const fs::path dir(o.checkpoint);
-  fs::create_directories(dir);
   const fs::path tmp = dir / (".tmp-step-" + std::to_string(step));
   const fs::path final_dir = dir / ("step-" + std::to_string(step));
   try {
+    fs::create_directories(dir);
     fs::remove_all(tmp);
     fs::create_directories(tmp);
     {
@@ -276,7 +276,7 @@ Summary train(const TrainOptions& o, const Split& data) {
   if (o.threads > 0) at::set_num_threads(o.threads);
   const bool plain = o.opt_level == "fp32";
   const int64_t per_step = o.batch_size * o.accumulate;
-  const int64_t total =
+  int64_t total =
       o.steps > 0
           ? o.steps
           : std::max<int64_t>(1, (std::max<int64_t>(o.epochs, 1) * data.train.size()) / per_step);
@@ -349,7 +349,8 @@ Summary train(const TrainOptions& o, const Split& data) {
       }
       ++window_steps;
       train_seconds += seconds_since(step_t0);
-      const bool last = step + 1 == total;
+      const bool interrupted = o.stop_after > 0 && step + 1 == o.stop_after;
+      const bool last = step + 1 == total || interrupted;
       if ((step + 1) % o.log_every == 0 || last) {
         StepRecord r;
         r.step = step + 1;
@@ -361,9 +362,11 @@ Summary train(const TrainOptions& o, const Split& data) {
                           std::max(1e-9, train_seconds - last_logged_time);
         last_logged_time = train_seconds;
         const int64_t skipped = ampp ? ampp->skipped_steps() : 0;
-        TORCH_CHECK(std::isfinite(r.loss) || ampp != nullptr, "apex-train: the loss became ",
-                    r.loss, " by step ", r.step, " at ", o.opt_level,
-                    " (no loss scaling here): training diverged; lower --lr (", o.lr, ")");
+        // Without dynamic loss scaling nothing skips a bad step: a non-finite loss is final.
+        const bool dynamic = ampp != nullptr && ampp->loss_scaler().dynamic();
+        TORCH_CHECK(std::isfinite(r.loss) || dynamic, "apex-train: the loss became ", r.loss,
+                    " by step ", r.step, " at ", o.opt_level,
+                    " (no dynamic loss scaling): training diverged; lower --lr (", o.lr, ")");
         TORCH_CHECK(
             !(ampp && skipped - skipped_at_window == window_steps && window_steps >= 10),
             "apex-train: every one of the last ", window_steps, " steps overflowed (loss scale ",
@@ -385,6 +388,10 @@ Summary train(const TrainOptions& o, const Split& data) {
       if (!o.checkpoint.empty() &&
           (last || (o.checkpoint_every > 0 && (step + 1) % o.checkpoint_every == 0))) {
         save_checkpoint(o, step + 1, *model, *optimizer, ampp);
+      }
+      if (interrupted) {
+        total = step + 1;
+        break;
       }
     }
   } catch (...) {

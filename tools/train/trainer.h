@@ -48,7 +48,8 @@ struct TrainOptions {
   std::string checkpoint;        ///< directory
   int64_t checkpoint_every = 0;  ///< steps (0: only at the end)
   bool resume = false;
-  bool progress = true;  ///< progress bar on a terminal, lines otherwise
+  int64_t stop_after = 0;  ///< stop (with a checkpoint) after this step, as if interrupted (tests)
+  bool progress = true;    ///< progress bar on a terminal, lines otherwise
 };
 
 /// One logged step.

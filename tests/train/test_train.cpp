@@ -1,0 +1,429 @@
+// apex-train: command line, every model family at every level, checkpoint/resume, outputs
+// (table, metrics, SVG) and errors, through the library and through the binary.
+#include <sys/wait.h>
+#include <torch/serialize/input-archive.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "common/test_util.h"
+#include "train/cli.h"
+#include "train/data.h"
+#include "train/json.h"
+#include "train/report.h"
+#include "train/trainer.h"
+
+namespace apex::test {
+namespace {
+
+namespace fs = std::filesystem;
+using apex::train::Cli;
+using apex::train::parse_cli;
+using apex::train::TrainOptions;
+
+class TrainFiles : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::temp_directory_path() /
+           ("apex_train_" + std::to_string(::getpid()) + "_" + info->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  fs::path dir_;
+};
+
+// Small, fast settings per family (seconds per run on 2 cores).
+TrainOptions tiny(const std::string& family, const std::string& level) {
+  TrainOptions o;
+  o.model.family = family;
+  o.model.width = family == "resnet" ? 8 : family == "mlp" ? 64 : 32;
+  o.model.depth = 1;
+  o.model.heads = 2;
+  o.opt_level = level;
+  o.train_size = 512;
+  o.test_size = 64;
+  o.seq_len = 16;
+  o.image_size = 16;
+  o.samples = 1000;
+  o.batch_size = 32;
+  o.steps = 24;
+  o.warmup = 2;
+  o.lr = 3e-3;
+  o.log_every = 4;
+  o.progress = false;
+  return o;
+}
+
+// Results: run `command`, capture stdout+stderr and the exit status.
+struct Proc {
+  int status;
+  std::string out;
+};
+Proc run(const std::string& command) {
+  std::string out;
+  FILE* p = popen((command + " 2>&1").c_str(), "r");
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// ---- command line ------------------------------------------------------------------------------
+
+TEST(TrainCli, DefaultsAndFlags) {
+  const Cli d = parse_cli({});
+  EXPECT_EQ(d.train.model.family, "transformer");
+  EXPECT_EQ(d.compare, (std::vector<std::string>{"O0", "O1", "O2"}));
+  EXPECT_EQ(d.train.half_dtype, c10::kBFloat16);
+  EXPECT_GT(d.train.steps, 0);
+  EXPECT_EQ(d.train.warmup, d.train.steps / 10);
+  const Cli c = parse_cli({"--model",      "resnet",
+                           "--opt-level",  "O2",
+                           "--half-dtype", "fp16",
+                           "--loss-scale", "128",
+                           "--optimizer",  "fused-lamb",
+                           "--batch-size", "16",
+                           "--accumulate", "2",
+                           "--epochs",     "3",
+                           "--lr",         "0.01",
+                           "--clip",       "1.5",
+                           "--seed",       "7",
+                           "--threads",    "1",
+                           "--resume",     "--checkpoint",
+                           "/tmp/x"});
+  EXPECT_TRUE(c.compare.empty());
+  EXPECT_EQ(c.train.opt_level, "O2");
+  EXPECT_EQ(c.train.half_dtype, c10::kHalf);
+  EXPECT_EQ(c.train.loss_scale, "128");
+  EXPECT_EQ(c.train.optimizer, "fused-lamb");
+  EXPECT_EQ(c.train.batch_size, 16);
+  EXPECT_EQ(c.train.accumulate, 2);
+  EXPECT_EQ(c.train.epochs, 3);
+  EXPECT_EQ(c.train.steps, 0);
+  EXPECT_DOUBLE_EQ(c.train.lr, 0.01);
+  EXPECT_DOUBLE_EQ(c.train.clip, 1.5);
+  EXPECT_EQ(c.train.seed, 7u);
+  EXPECT_TRUE(c.train.resume);
+  // The per-level flags never reach the children; the rest do.
+  const Cli cmp =
+      parse_cli({"--compare", "O0,O3", "--plot", "a.svg", "--metrics", "m", "--steps", "5"});
+  EXPECT_EQ(cmp.compare, (std::vector<std::string>{"O0", "O3"}));
+  EXPECT_EQ(cmp.child_args, (std::vector<std::string>{"--steps", "5"}));
+  EXPECT_EQ(parse_cli({"--device", "cuda", "--opt-level", "O1"}).train.half_dtype, c10::kHalf);
+}
+
+TEST(TrainCli, BadInput) {
+  EXPECT_TRUE(throws_with([] { parse_cli({"--bogus", "1"}); }, "unknown option '--bogus'"));
+  EXPECT_TRUE(throws_with([] { parse_cli({"--steps"}); }, "--steps needs a value"));
+  EXPECT_TRUE(throws_with(
+      [] {
+        parse_cli({"--steps", "ten"});
+      },
+      "--steps expects an integer >= 1, got 'ten'"));
+  EXPECT_TRUE(throws_with([] { parse_cli({"--lr", "-1"}); }, "--lr expects a number"));
+  EXPECT_TRUE(throws_with(
+      [] {
+        parse_cli({"--model", "gpt"});
+      },
+      "--model must be one of mlp, resnet, transformer, wav2vec2; got 'gpt'"));
+  EXPECT_TRUE(throws_with([] { parse_cli({"--compare", "O0,O5"}); }, "got 'O5'"));
+  EXPECT_TRUE(throws_with([] { parse_cli({"--compare", "O1,O1"}); }, "lists a level twice"));
+  EXPECT_TRUE(throws_with(
+      [] {
+        parse_cli({"--compare", "O1", "--opt-level", "O2"});
+      },
+      "either --opt-level or --compare"));
+  EXPECT_TRUE(throws_with([] { parse_cli({"--resume"}); }, "--resume needs --checkpoint"));
+  EXPECT_TRUE(throws_with(
+      [] {
+        parse_cli({"--steps", "3", "--epochs", "1"});
+      },
+      "either --steps or --epochs"));
+  EXPECT_TRUE(throws_with([] { parse_cli({"--loss-scale", "big"}); }, "--loss-scale"));
+  EXPECT_TRUE(throws_with([] { parse_cli({"stray"}); }, "unexpected argument 'stray'"));
+}
+
+// ---- every family at every level ---------------------------------------------------------------
+
+TEST(TrainModels, EveryFamilyLearnsAtEveryLevel) {
+  for (const std::string family : {"mlp", "resnet", "transformer", "wav2vec2"}) {
+    const auto data = apex::train::load_data(tiny(family, "O0"));
+    for (const std::string level : {"fp32", "O0", "O1", "O2", "O3"}) {
+      const auto s = apex::train::train(tiny(family, level), data);
+      ASSERT_GE(s.curve.size(), 3u);
+      const double first = s.curve.front().loss;
+      const double last = s.curve.back().loss;
+      EXPECT_TRUE(std::isfinite(last)) << family << " " << level;
+      EXPECT_LT(last, first) << family << " " << level << ": loss " << first << " -> " << last;
+      EXPECT_EQ(s.steps, 24);
+      EXPECT_EQ(s.skipped_steps, 0) << family << " " << level;
+      EXPECT_GT(s.test_accuracy, 0.0);
+    }
+  }
+}
+
+TEST(TrainModels, AccumulationClippingAndOtherOptimizers) {
+  const auto data = apex::train::load_data(tiny("mlp", "O2"));
+  for (const std::string opt :
+       {"fused-lamb", "fused-sgd", "fused-novograd", "fused-adagrad", "adam", "sgd"}) {
+    auto o = tiny("mlp", "O2");
+    o.optimizer = opt;
+    o.accumulate = 2;
+    o.clip = 1.0;
+    // NovoGrad normalizes each layer's gradient: its steps need a larger rate.
+    o.lr = 3e-3;
+    if (opt == "fused-sgd" || opt == "sgd") o.lr = 0.05;
+    if (opt == "fused-adagrad") o.lr = 0.02;
+    if (opt == "fused-novograd") o.lr = 0.3;
+    const auto s = apex::train::train(o, data);
+    EXPECT_LT(s.curve.back().loss, s.curve.front().loss) << opt;
+    EXPECT_EQ(s.samples, 24 * 64) << opt;
+  }
+}
+
+TEST(TrainModels, FamilyAndDataMustMatch) {
+  auto o = tiny("resnet", "O1");
+  o.data = "tokens";
+  const auto data = apex::train::load_data(o);
+  EXPECT_TRUE(throws_with([&] { apex::train::train(o, data); },
+                          "--model resnet does not take tokens data"));
+  auto w = tiny("mlp", "O1");
+  w.data = "wav";
+  EXPECT_TRUE(throws_with([&] { apex::train::load_data(w); }, "--data wav needs --data-dir"));
+}
+
+TEST(TrainModels, DivergenceAtO0StopsWithAMessage) {
+  auto o = tiny("mlp", "O0");
+  o.lr = 1e12;
+  o.optimizer = "sgd";
+  const auto data = apex::train::load_data(o);
+  EXPECT_TRUE(throws_with([&] { apex::train::train(o, data); }, "training diverged; lower --lr"));
+}
+
+// ---- checkpoints ------------------------------------------------------------------------------
+
+// Every tensor of an archive, nested sub-archives (submodules) included, by dotted key.
+void collect(torch::serialize::InputArchive& a, const std::string& prefix,
+             std::map<std::string, at::Tensor>& out) {
+  for (const auto& key : a.keys()) {
+    at::Tensor t;
+    torch::serialize::InputArchive sub;
+    if (a.try_read(key, t)) {
+      out[prefix + key] = t;
+    } else if (a.try_read(key, sub)) {
+      collect(sub, prefix + key + ".", out);
+    }
+  }
+}
+
+std::map<std::string, at::Tensor> archive_tensors(const std::string& file) {
+  torch::serialize::InputArchive a;
+  a.load_from(file);
+  std::map<std::string, at::Tensor> out;
+  collect(a, "", out);
+  return out;
+}
+
+TEST_F(TrainFiles, ResumeIsBitIdentical) {
+  for (const auto& [family, level] : std::vector<std::pair<std::string, std::string>>{
+           {"resnet", "O2"}, {"transformer", "O1"}, {"mlp", "O3"}, {"mlp", "fp32"}}) {
+    auto straight = tiny(family, level);
+    straight.checkpoint = path(family + level + "_a");
+    const auto data = apex::train::load_data(straight);
+    const auto a = apex::train::train(straight, data);
+
+    auto first = straight;
+    first.checkpoint = path(family + level + "_b");
+    first.stop_after = 10;
+    EXPECT_EQ(apex::train::train(first, data).steps, 10);
+    auto second = first;
+    second.stop_after = 0;
+    second.resume = true;
+    const auto b = apex::train::train(second, data);
+    EXPECT_EQ(b.steps, 14);
+    EXPECT_EQ(read_text(straight.checkpoint + "/latest"), read_text(first.checkpoint + "/latest"));
+    const auto ta = archive_tensors(straight.checkpoint + "/step-24/model.pt");
+    const auto tb = archive_tensors(first.checkpoint + "/step-24/model.pt");
+    ASSERT_EQ(ta.size(), tb.size());
+    ASSERT_FALSE(ta.empty());
+    for (const auto& [k, v] : ta) {
+      EXPECT_TRUE(at::equal(v, tb.at(k))) << family << " " << level << " " << k;
+    }
+    EXPECT_EQ(a.test_accuracy, b.test_accuracy);
+    EXPECT_EQ(a.curve.back().loss, b.curve.back().loss) << family << " " << level;
+    // Only the newest checkpoint is kept, and no temporary is left behind.
+    for (const auto& e : fs::directory_iterator(first.checkpoint)) {
+      const auto name = e.path().filename().string();
+      EXPECT_TRUE(name == "latest" || name == "step-24") << name;
+    }
+  }
+}
+
+TEST_F(TrainFiles, CheckpointErrors) {
+  auto o = tiny("mlp", "O1");
+  o.steps = 4;
+  o.checkpoint = path("ck");
+  const auto data = apex::train::load_data(o);
+  apex::train::train(o, data);
+  auto other = tiny("mlp", "O1");
+  other.model.width = 32;
+  other.checkpoint = o.checkpoint;
+  other.resume = true;
+  EXPECT_TRUE(throws_with([&] { apex::train::train(other, data); }, "was written by another run"));
+  auto empty = o;
+  empty.checkpoint = path("nothing");
+  empty.resume = true;
+  EXPECT_TRUE(throws_with([&] { apex::train::train(empty, data); }, "no checkpoint in"));
+  // A checkpoint that cannot be written fails with a message and leaves nothing partial.
+  std::ofstream(path("blocker")) << "a file, not a folder";
+  auto blocked = o;
+  blocked.checkpoint = path("blocker");
+  EXPECT_THROW(apex::train::train(blocked, data), c10::Error);
+  EXPECT_EQ(read_text(path("blocker")), "a file, not a folder");
+}
+
+// ---- real data formats through training
+// ----------------------------------------------------------
+
+TEST_F(TrainFiles, TrainsOnAWavFolderItWrites) {
+  // Three classes of tones (low, high, rising), 12 clips each, 0.125 s at 16 kHz.
+  const double kPi = 3.14159265358979;
+  for (int c = 0; c < 3; ++c) {
+    const fs::path cls = dir_ / "wavs" / ("class" + std::to_string(c));
+    fs::create_directories(cls);
+    for (int k = 0; k < 12; ++k) {
+      std::vector<float> s(2000);
+      double phase = 0.1 * k;
+      for (size_t i = 0; i < s.size(); ++i) {
+        const double t = static_cast<double>(i) / 16000.0;
+        const double f = c == 0 ? 200 + 10 * k : c == 1 ? 2500 + 50 * k : 300 + 20000 * t;
+        phase += 2 * kPi * f / 16000.0;
+        s[i] = static_cast<float>(0.5 * std::sin(phase));
+      }
+      apex::train::write_wav((cls / ("clip" + std::to_string(k) + ".wav")).string(), s);
+    }
+  }
+  auto o = tiny("wav2vec2", "O1");
+  o.data = "wav";
+  o.data_dir = path("wavs");
+  o.samples = 2000;
+  o.batch_size = 8;
+  o.steps = 20;
+  const auto data = apex::train::load_data(o);
+  EXPECT_EQ(data.train.num_classes, 3);
+  const auto s = apex::train::train(o, data);
+  EXPECT_LT(s.curve.back().loss, s.curve.front().loss);
+}
+
+TEST_F(TrainFiles, TrainsOnMnistAndCifarFiles) {
+  auto gen = at::detail::createCPUGenerator(3);
+  const auto u8 = at::TensorOptions().dtype(at::kByte);
+  const auto labels = [&](int64_t n) { return at::arange(n, at::kLong).remainder(10); };
+  // Images whose brightness encodes the label: learnable from a few steps.
+  auto images = [&](int64_t n, std::vector<int64_t> shape) {
+    shape.insert(shape.begin(), n);
+    auto base = (labels(n).to(at::kFloat) * 25).view({n, 1, 1, 1}).flatten(1).view({n, 1});
+    auto noise = at::randint(0, 20, shape, gen, at::kFloat).flatten(1);
+    return (base + noise).clamp(0, 255).to(at::kByte).view(shape);
+  };
+  fs::create_directories(path("mnist"));
+  fs::create_directories(path("cifar"));
+  apex::train::write_mnist(path("mnist"), images(200, {28, 28}), labels(200), images(50, {28, 28}),
+                           labels(50));
+  apex::train::write_cifar10(path("cifar"), images(200, {3, 32, 32}), labels(200),
+                             images(50, {3, 32, 32}), labels(50));
+  (void)u8;
+  for (const std::string name : {"mnist", "cifar10"}) {
+    auto o = tiny("resnet", "O2");
+    o.data = name;
+    o.data_dir = path(name == "mnist" ? "mnist" : "cifar");
+    o.steps = 12;
+    const auto data = apex::train::load_data(o);
+    EXPECT_EQ(data.train.size(), 200) << name;
+    const auto s = apex::train::train(o, data);
+    EXPECT_LT(s.curve.back().loss, s.curve.front().loss) << name;
+  }
+}
+
+// ---- the binary: --compare table, metrics, SVG, errors ----------------------------------------
+
+TEST_F(TrainFiles, CompareTableMetricsAndPlot) {
+  const std::string cmd = std::string(APEX_TRAIN_EXE) +
+                          " --model mlp --data shapes --image-size 16 --train-size 256 "
+                          "--test-size 64 --steps 8 --log-every 2 --compare O0,O1,O2 --metrics " +
+                          path("m.jsonl") + " --plot " + path("loss.svg");
+  const Proc p = run(cmd);
+  ASSERT_EQ(p.status, 0) << p.out;
+  for (const char* level : {"O0 ", "O1 ", "O2 "}) {
+    EXPECT_NE(p.out.find(std::string("\n") + level), std::string::npos) << level << p.out;
+  }
+  EXPECT_NE(p.out.find("samples/s"), std::string::npos);
+  EXPECT_NE(p.out.find("test acc"), std::string::npos);
+  std::ifstream m(path("m.jsonl"));
+  std::string line;
+  int steps = 0;
+  int summaries = 0;
+  while (std::getline(m, line)) {
+    ASSERT_EQ(line.front(), '{');
+    ASSERT_EQ(line.back(), '}');
+    if (line.find("\"summary\": true") != std::string::npos) {
+      ++summaries;
+      EXPECT_GT(apex::train::json::get_number(line, "samples_per_s"), 0);
+      EXPECT_GE(apex::train::json::get_number(line, "test_accuracy"), 0);
+      EXPECT_GT(apex::train::json::get_number(line, "peak_rss_mb"), 0);
+    } else {
+      ++steps;
+      EXPECT_TRUE(std::isfinite(apex::train::json::get_number(line, "loss")));
+    }
+  }
+  EXPECT_EQ(summaries, 3);
+  EXPECT_EQ(steps, 3 * 4);
+  // Valid XML with one curve per level (checked by Python's XML parser).
+  const Proc xml = run(std::string(APEX_PYTHON) +
+                       " -c \"import xml.etree.ElementTree as E; r = E.parse('" + path("loss.svg") +
+                       "').getroot(); print(sorted(p.get('data-level') for p in "
+                       "r.iter('{http://www.w3.org/2000/svg}polyline')))\"");
+  EXPECT_EQ(xml.status, 0) << xml.out;
+  EXPECT_NE(xml.out.find("['O0', 'O1', 'O2']"), std::string::npos) << xml.out;
+}
+
+TEST_F(TrainFiles, BinaryErrorsAreOneLineAndNonZero) {
+  fs::create_directories(dir_ / "badwav" / "a");
+  fs::create_directories(dir_ / "badwav" / "b");
+  std::vector<float> tone(1600, 0.1f);
+  apex::train::write_wav(path("badwav/a/x.wav"), tone, 16000);
+  apex::train::write_wav(path("badwav/b/y.wav"), tone, 44100);
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--bogus 1", "unknown option '--bogus'"},
+      {"--model mlp --opt-level O7", "--opt-level must be one of"},
+      {"--model wav2vec2 --data wav --data-dir " + path("missing") + " --opt-level O1", "missing"},
+      {"--model wav2vec2 --data wav --data-dir " + path("badwav") + " --opt-level O1",
+       "sample rate 44100 Hz, expected 16000"},
+      {"--model mlp --opt-level O1 --resume --checkpoint " + path("none"), "no checkpoint in"},
+  };
+  for (const auto& [args, message] : cases) {
+    const Proc p = run(std::string(APEX_TRAIN_EXE) + " --no-progress " + args);
+    EXPECT_NE(p.status, 0) << args;
+    EXPECT_NE(p.out.find(message), std::string::npos) << args << " -> " << p.out;
+    EXPECT_EQ(std::count(p.out.begin(), p.out.end(), '\n'), 1) << args << " -> " << p.out;
+    EXPECT_EQ(p.out.find("Exception raised from"), std::string::npos) << p.out;
+  }
+  const Proc help = run(std::string(APEX_TRAIN_EXE) + " --help");
+  EXPECT_EQ(help.status, 0);
+  EXPECT_NE(help.out.find("--compare"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace apex::test
