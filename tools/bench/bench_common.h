@@ -62,5 +62,6 @@ bool selected(const Config& cfg, const std::string& name);
 
 int run_optim(const Config& cfg);
 int run_norm(const Config& cfg);
+int run_train(const Config& cfg);
 
 }  // namespace apex::bench

@@ -19,13 +19,15 @@ void usage(std::FILE* out) {
       "lists\n"
       "  norm      FusedLayerNorm / FusedRMSNorm against at::layer_norm / the composite "
       "expression\n"
+      "  train     apex-train's transformer and resnet at O0/O1/O2 against the same models in "
+      "PyTorch\n"
       "options:\n"
       "  --device cpu|cuda   where to run (default cpu)\n"
       "  --threads N         intra-op threads (default: LibTorch's)\n"
       "  --repeats N         timed runs per case, the median is reported (default 10)\n"
       "  --warmup N          untimed runs first (default 2)\n"
-      "  --only NAME         only this model (optim: resnet50, bert) or shape (norm: 4096x1024);\n"
-      "                      repeatable\n"
+      "  --only NAME         only this model (optim: resnet50, bert; train: transformer, resnet)\n"
+      "                      or shape (norm: 4096x1024); repeatable\n"
       "  --json FILE         where to write the results (default apex-bench-<area>.json)\n");
 }
 
@@ -83,6 +85,7 @@ int main(int argc, char** argv) {
   try {
     if (area == "optim") return apex::bench::run_optim(cfg);
     if (area == "norm") return apex::bench::run_norm(cfg);
+    if (area == "train") return apex::bench::run_train(cfg);
     std::fprintf(stderr, "apex-bench: unknown area '%s' (see --help)\n", area.c_str());
     return 2;
   } catch (const c10::Error& e) {

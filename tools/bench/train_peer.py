@@ -38,7 +38,7 @@ class EncoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, vocab=64, seq_len=32, d=128, depth=2, heads=4, classes=4):
+    def __init__(self, vocab=64, seq_len=64, d=256, depth=2, heads=4, classes=4):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(seq_len, d)
@@ -105,7 +105,7 @@ def main():
     torch.manual_seed(0)
     if a.model == "transformer":
         model = Transformer()
-        make = lambda g: torch.randint(0, 64, (a.batch_size, 32), generator=g)
+        make = lambda g: torch.randint(0, 64, (a.batch_size, 64), generator=g)
         classes = 4
     else:
         model = ResNet()

@@ -1,0 +1,90 @@
+// apex-bench train: end-to-end training throughput of apex-train's transformer and resnet defaults
+// at O0/O1/O2, against the same models in Python PyTorch (tools/bench/train_peer.py: autocast +
+// GradScaler + AdamW(fused=True)) timed in the same run on the same threads.
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "bench_common.h"
+#include "train/cli.h"
+#include "train/data.h"
+#include "train/json.h"
+
+namespace apex::bench {
+namespace {
+
+struct Peer {
+  double fp32 = 0;
+  double autocast = 0;
+};
+
+double python_run(const std::string& model, const std::string& mode, int64_t steps, int threads) {
+  const std::string cmd = std::string(APEX_PYTHON) + " " + APEX_SOURCE_DIR +
+                          "/tools/bench/train_peer.py --model " + model + " --mode " + mode +
+                          " --steps " + std::to_string(steps) + " --threads " +
+                          std::to_string(threads);
+  FILE* p = popen(cmd.c_str(), "r");
+  TORCH_CHECK(p != nullptr, "apex-bench: cannot run ", cmd);
+  std::string out;
+  char buf[512];
+  while (std::fgets(buf, sizeof(buf), p) != nullptr) out += buf;
+  TORCH_CHECK(pclose(p) == 0, "apex-bench: the Python peer failed: ", cmd, "\n", out);
+  return apex::train::json::get_number(out, "samples_per_s");
+}
+
+}  // namespace
+
+int run_train(const Config& cfg) {
+  TORCH_CHECK(cfg.device.is_cpu(),
+              "apex-bench train runs on the CPU (the Python peer is CPU-only)");
+  const int threads = at::get_num_threads();
+  struct Case {
+    std::string model;
+    std::vector<std::string> extra;
+  };
+  std::vector<Case> cases = {{"transformer", {}}, {"resnet", {}}};
+  std::ofstream json(cfg.json);
+  json << "{\"area\": \"train\", \"threads\": " << threads << ", \"rows\": [";
+  bool first_row = true;
+  std::printf("%-12s %-6s %11s %9s %9s %10s %10s %9s\n", "model", "level", "samples/s", "vs O0",
+              "test acc", "py fp32", "py autocast", "vs py ac");
+  for (const auto& c : cases) {
+    if (!selected(cfg, c.model)) continue;
+    std::vector<std::string> args = {"--model", c.model, "--no-progress", "--threads",
+                                     std::to_string(threads)};
+    const apex::train::Cli cli = apex::train::parse_cli(args);
+    const auto data = apex::train::load_data(cli.train);
+    // The Python peer first: the same model, batch and threads; steps after a warm-up.
+    Peer peer;
+    const int64_t peer_steps = std::max<int64_t>(20, cfg.repeats * 4);
+    peer.fp32 = python_run(c.model, "fp32", peer_steps, threads);
+    peer.autocast = python_run(c.model, "autocast", peer_steps, threads);
+    double o0 = 0;
+    for (const std::string level : {"O0", "O1", "O2"}) {
+      apex::train::TrainOptions o = cli.train;
+      o.opt_level = level;
+      const auto s = apex::train::train(o, data);
+      if (level == "O0") o0 = s.samples_per_s;
+      std::printf("%-12s %-6s %11.1f %8.2fx %8.1f%% %10.1f %10.1f %8.2fx\n", c.model.c_str(),
+                  level.c_str(), s.samples_per_s, s.samples_per_s / o0, 100 * s.test_accuracy,
+                  peer.fp32, peer.autocast, s.samples_per_s / peer.autocast);
+      std::fflush(stdout);
+      json << (first_row ? "" : ", ") << "{\"model\": \"" << c.model << "\", \"level\": \"" << level
+           << "\", \"samples_per_s\": " << s.samples_per_s
+           << ", \"speedup_vs_o0\": " << s.samples_per_s / o0
+           << ", \"test_accuracy\": " << s.test_accuracy << ", \"steps\": " << s.steps
+           << ", \"peer_fp32_samples_per_s\": " << peer.fp32
+           << ", \"peer_autocast_samples_per_s\": " << peer.autocast << "}";
+      first_row = false;
+    }
+  }
+  json << "]}\n";
+  std::printf("results written to %s\n", cfg.json.c_str());
+  return 0;
+}
+
+}  // namespace apex::bench
