@@ -19,5 +19,11 @@ echo "build: $(($(date +%s) - start)) s"
 echo; echo "== apex-bench optim --device cuda =="
 timeout 240 build-gpu/tools/apex-bench optim --device cuda --repeats 20 --warmup 3 \
   --json "$OUT/bench-optim-cuda.json" 2>&1 | tee "$OUT/bench-optim-cuda.txt" | tail -14
+echo; echo "== apex-bench norm --device cuda =="
+timeout 150 build-gpu/tools/apex-bench norm --device cuda --repeats 20 --warmup 3 \
+  --json "$OUT/bench-norm-cuda.json" 2>&1 | tee "$OUT/bench-norm-cuda.txt" | tail -30
+echo; echo "== apex-train --device cuda (transformer, O0/O1/O2, fp16) =="
+timeout 120 build-gpu/tools/apex-train --device cuda --steps 100 --no-progress 2>&1 |
+  tee "$OUT/train-cuda.txt" | tail -6
 echo; echo "== cuda tests =="
 grep -E "Test +#" "$OUT/ctest-cuda.log" | sed -E 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: //; s/ \.+ */  /'
