@@ -212,6 +212,19 @@ TEST(TrainModels, DivergenceAtO0StopsWithAMessage) {
   EXPECT_TRUE(throws_with([&] { apex::train::train(o, data); }, "training diverged; lower --lr"));
 }
 
+// fp16 activations that overflow whatever the scale: every step is skipped, the scale falls to its
+// floor, and the run stops rather than "training" forever.
+TEST(TrainModels, LossScaleStuckAtItsFloorStopsWithAMessage) {
+  auto o = tiny("mlp", "O2");
+  o.half_dtype = c10::kHalf;
+  o.loss_scale = "dynamic";
+  o.log_every = 10;
+  auto data = apex::train::load_data(o);
+  data.train.inputs = data.train.inputs * 1e6;
+  EXPECT_TRUE(throws_with([&] { apex::train::train(o, data); },
+                          "the loss scale is stuck at its floor"));
+}
+
 // ---- checkpoints ------------------------------------------------------------------------------
 
 // Every tensor of an archive, nested sub-archives (submodules) included, by dotted key.

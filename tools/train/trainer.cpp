@@ -310,7 +310,6 @@ Summary train(const TrainOptions& o, const Split& data) {
   at::Tensor window_loss = at::zeros({}, at::TensorOptions().dtype(at::kDouble));
   int64_t window_steps = 0;
   int64_t skipped_at_window = ampp ? ampp->skipped_steps() : 0;
-  int64_t window_start_step = start;
   double last_logged_time = 0;
   try {
     for (int64_t step = start; step < total; ++step) {
@@ -383,7 +382,6 @@ Summary train(const TrainOptions& o, const Split& data) {
         window_loss.zero_();
         window_steps = 0;
         skipped_at_window = skipped;
-        window_start_step = step + 1;
       }
       if (!o.checkpoint.empty() &&
           (last || (o.checkpoint_every > 0 && (step + 1) % o.checkpoint_every == 0))) {
@@ -400,7 +398,6 @@ Summary train(const TrainOptions& o, const Split& data) {
     throw;
   }
   progress.finish();
-  (void)window_start_step;
   const Eval e = evaluate(*model, ampp, model, data.test, o.device, 256);
   s.steps = total - start;
   s.samples = s.steps * per_step;

@@ -1,6 +1,7 @@
 // Chunk kernels, compiled once per instruction set (see isa.h). The math loops are plain fp32
 // loops over restrict pointers that the compiler vectorizes for the target ISA; fp16/bf16 storage
 // is converted tile by tile into L1-resident fp32 buffers, so one math loop serves every dtype.
+#include <algorithm>
 #include <cstring>
 
 #include "kernels/cpu/isa.h"
@@ -483,17 +484,22 @@ void norm_forward_row(const void* x, DType t, const float* w, const float* b, vo
   const float mean = rms ? 0.0f : lane_sum(xf, cols) * inv_n;
   const float var = lane_centered_sumsq(xf, cols, mean) * inv_n;
   const float rstd = 1.0f / __builtin_sqrtf(var + eps);
-  float* __restrict out =
-      yt == DType::kFloat32 ? static_cast<float*>(y) : scratch + norm_scratch_stride(cols);
-  const float* __restrict in = xf;
-  if (w != nullptr && b != nullptr) {
-    for (int64_t i = 0; i < cols; ++i) out[i] = (in[i] - mean) * rstd * w[i] + b[i];
-  } else if (w != nullptr) {
-    for (int64_t i = 0; i < cols; ++i) out[i] = (in[i] - mean) * rstd * w[i];
-  } else {
-    for (int64_t i = 0; i < cols; ++i) out[i] = (in[i] - mean) * rstd;
+  // fp32 outputs are written in place; half outputs tile by tile through an L1 buffer, so that a
+  // long row does not need a second row-sized fp32 buffer.
+  float* const tile = scratch + norm_scratch_stride(cols);
+  for (int64_t i0 = 0; i0 < cols; i0 += kTile) {
+    const int64_t n = std::min<int64_t>(kTile, cols - i0);
+    float* __restrict out = yt == DType::kFloat32 ? static_cast<float*>(y) + i0 : tile;
+    const float* __restrict in = xf + i0;
+    if (w != nullptr && b != nullptr) {
+      for (int64_t i = 0; i < n; ++i) out[i] = (in[i] - mean) * rstd * w[i0 + i] + b[i0 + i];
+    } else if (w != nullptr) {
+      for (int64_t i = 0; i < n; ++i) out[i] = (in[i] - mean) * rstd * w[i0 + i];
+    } else {
+      for (int64_t i = 0; i < n; ++i) out[i] = (in[i] - mean) * rstd;
+    }
+    if (yt != DType::kFloat32) store(yt, out, at(y, yt, i0), n);
   }
-  store(yt, out, y, cols);
   if (mean_out != nullptr) *mean_out = mean;
   *rstd_out = rstd;
 }
