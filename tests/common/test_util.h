@@ -7,7 +7,10 @@
 #include <torch/nn.h>
 #include <torch/optim.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <string>
 
 namespace apex::test {
@@ -51,6 +54,21 @@ inline ::testing::AssertionResult all_close(const at::Tensor& actual, const at::
   }
   return ::testing::AssertionSuccess();
 }
+
+/// A fresh temporary folder per test (named after the process and the test), removed afterwards.
+class TempDirTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = std::filesystem::temp_directory_path() /
+           ("apex_test_" + std::to_string(::getpid()) + "_" + info->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  std::filesystem::path dir_;
+};
 
 /// Detached clones of `ts`.
 inline std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& ts) {

@@ -25,20 +25,7 @@ using namespace apex::train;
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-/// A fresh temporary folder per test, removed afterwards.
-class DataFiles : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("apex_data_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-  fs::path dir_;
-};
+using DataFiles = apex::test::TempDirTest;
 
 std::vector<uint8_t> read_all(const std::string& p) {
   std::ifstream in(p, std::ios::binary);

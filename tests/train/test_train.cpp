@@ -24,19 +24,7 @@ using apex::train::Cli;
 using apex::train::parse_cli;
 using apex::train::TrainOptions;
 
-class TrainFiles : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("apex_train_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-  fs::path dir_;
-};
+using TrainFiles = TempDirTest;
 
 // Small, fast settings per family (seconds per run on 2 cores).
 TrainOptions tiny(const std::string& family, const std::string& level) {
@@ -221,8 +209,8 @@ TEST(TrainModels, LossScaleStuckAtItsFloorStopsWithAMessage) {
   o.log_every = 10;
   auto data = apex::train::load_data(o);
   data.train.inputs = data.train.inputs * 1e6;
-  EXPECT_TRUE(throws_with([&] { apex::train::train(o, data); },
-                          "the loss scale is stuck at its floor"));
+  EXPECT_TRUE(
+      throws_with([&] { apex::train::train(o, data); }, "the loss scale is stuck at its floor"));
 }
 
 // ---- checkpoints ------------------------------------------------------------------------------

@@ -532,6 +532,31 @@ bool has_wav_extension(const fs::path& p) {
 // ---------------------------------------------------------------------------------------------
 // Public API
 
+namespace {
+
+// Both splits of a synthetic task: balanced labels, then `make(labels, rng)` for the inputs; each
+// split draws from its own stream of the seed (so the test split does not depend on n_train).
+template <typename MakeInputs>
+Split synthetic_split(const char* kind, int64_t classes, std::vector<std::string> names,
+                      uint64_t seed, uint64_t task, int64_t n_train, int64_t n_test, int64_t vocab,
+                      MakeInputs&& make) {
+  Split s;
+  for (int part = 0; part < 2; ++part) {
+    Rng rng(stream_seed(seed, task, static_cast<uint64_t>(part)));
+    Dataset& ds = part == 0 ? s.train : s.test;
+    auto y = balanced_labels(part == 0 ? n_train : n_test, classes, rng);
+    ds.kind = kind;
+    ds.num_classes = classes;
+    ds.vocab_size = vocab;
+    ds.class_names = names;
+    ds.inputs = make(y, rng);
+    ds.labels = labels_tensor(y);
+  }
+  return s;
+}
+
+}  // namespace
+
 Split synthetic_images(int64_t n_train, int64_t n_test, int64_t size, int64_t channels,
                        uint64_t seed) {
   check_counts("synthetic images", n_train, n_test, kImageClasses);
@@ -539,17 +564,10 @@ Split synthetic_images(int64_t n_train, int64_t n_test, int64_t size, int64_t ch
               ", expected 8..1024");
   TORCH_CHECK(channels == 1 || channels == 3, "apex-train: synthetic images: channels ", channels,
               ", expected 1 or 3");
-  Split s;
-  for (int part = 0; part < 2; ++part) {
-    Rng rng(stream_seed(seed, 1, static_cast<uint64_t>(part)));
-    Dataset& ds = part == 0 ? s.train : s.test;
-    auto y = balanced_labels(part == 0 ? n_train : n_test, kImageClasses, rng);
-    ds.kind = "image";
-    ds.num_classes = kImageClasses;
-    ds.class_names = image_class_names();
-    ds.inputs = render_images(y, size, channels, rng);
-    ds.labels = labels_tensor(y);
-  }
+  Split s = synthetic_split("image", kImageClasses, image_class_names(), seed, 1, n_train, n_test,
+                            0, [&](const std::vector<int64_t>& y, Rng& rng) {
+                              return render_images(y, size, channels, rng);
+                            });
   normalize_channels(s.train.inputs, s.test.inputs);
   return s;
 }
@@ -561,37 +579,20 @@ Split synthetic_tokens(int64_t n_train, int64_t n_test, int64_t seq_len, int64_t
               ", expected at least 8");
   TORCH_CHECK(vocab >= 8, "apex-train: synthetic tokens: vocab ", vocab,
               ", expected at least 8 (0 = [CLS], 1..4 markers, fillers >= 5)");
-  Split s;
-  for (int part = 0; part < 2; ++part) {
-    Rng rng(stream_seed(seed, 2, static_cast<uint64_t>(part)));
-    Dataset& ds = part == 0 ? s.train : s.test;
-    auto y = balanced_labels(part == 0 ? n_train : n_test, kTokenClasses, rng);
-    ds.kind = "tokens";
-    ds.num_classes = kTokenClasses;
-    ds.vocab_size = vocab;
-    ds.class_names = {"marker_1", "marker_2", "marker_3", "marker_4"};
-    ds.inputs = make_token_rows(y, seq_len, vocab, rng);
-    ds.labels = labels_tensor(y);
-  }
-  return s;
+  return synthetic_split("tokens", kTokenClasses, {"marker_1", "marker_2", "marker_3", "marker_4"},
+                         seed, 2, n_train, n_test, vocab,
+                         [&](const std::vector<int64_t>& y, Rng& rng) {
+                           return make_token_rows(y, seq_len, vocab, rng);
+                         });
 }
 
 Split synthetic_audio(int64_t n_train, int64_t n_test, int64_t samples, uint64_t seed) {
   check_counts("synthetic audio", n_train, n_test, kAudioClasses);
   TORCH_CHECK(samples >= 400, "apex-train: synthetic audio: samples ", samples,
               ", expected at least 400 (25 ms at 16 kHz)");
-  Split s;
-  for (int part = 0; part < 2; ++part) {
-    Rng rng(stream_seed(seed, 3, static_cast<uint64_t>(part)));
-    Dataset& ds = part == 0 ? s.train : s.test;
-    auto y = balanced_labels(part == 0 ? n_train : n_test, kAudioClasses, rng);
-    ds.kind = "audio";
-    ds.num_classes = kAudioClasses;
-    ds.class_names = audio_class_names();
-    ds.inputs = make_waves(y, samples, rng);
-    ds.labels = labels_tensor(y);
-  }
-  return s;
+  return synthetic_split(
+      "audio", kAudioClasses, audio_class_names(), seed, 3, n_train, n_test, 0,
+      [&](const std::vector<int64_t>& y, Rng& rng) { return make_waves(y, samples, rng); });
 }
 
 Split load_mnist(const std::string& dir) {
