@@ -76,7 +76,7 @@ TEST(TrainCli, DefaultsAndFlags) {
   EXPECT_EQ(d.compare, (std::vector<std::string>{"O0", "O1", "O2"}));
   EXPECT_EQ(d.train.half_dtype, c10::kBFloat16);
   EXPECT_GT(d.train.steps, 0);
-  EXPECT_EQ(d.train.warmup, d.train.steps / 10);
+  EXPECT_EQ(d.train.warmup, -1);  // a tenth of the run, whatever --steps or --epochs make it
   const Cli c = parse_cli({"--model",      "resnet",
                            "--opt-level",  "O2",
                            "--half-dtype", "fp16",
@@ -272,6 +272,36 @@ TEST_F(TrainFiles, ResumeIsBitIdentical) {
   }
 }
 
+// A resumed run's metrics file reads as one run: each step once, in order, one summary.
+TEST_F(TrainFiles, ResumedMetricsReadAsOneRun) {
+  auto o = tiny("mlp", "O2");
+  o.checkpoint = path("ck");
+  o.metrics = path("m.jsonl");
+  o.log_every = 2;
+  o.checkpoint_every = 8;
+  o.stop_after = 12;  // stopped after step 12; the checkpoint is at 12, steps 2..12 logged
+  const auto data = apex::train::load_data(o);
+  apex::train::train(o, data);
+  o.stop_after = 0;
+  o.resume = true;
+  apex::train::train(o, data);
+  std::ifstream m(o.metrics);
+  std::string line;
+  std::vector<int64_t> steps;
+  int summaries = 0;
+  while (std::getline(m, line)) {
+    if (line.find("\"summary\": true") != std::string::npos) {
+      ++summaries;
+    } else {
+      steps.push_back(static_cast<int64_t>(apex::train::json::get_number(line, "step")));
+    }
+  }
+  EXPECT_EQ(summaries, 1);
+  std::vector<int64_t> expected;
+  for (int64_t s = 2; s <= 24; s += 2) expected.push_back(s);
+  EXPECT_EQ(steps, expected);
+}
+
 TEST_F(TrainFiles, CheckpointErrors) {
   auto o = tiny("mlp", "O1");
   o.steps = 4;
@@ -283,6 +313,13 @@ TEST_F(TrainFiles, CheckpointErrors) {
   other.checkpoint = o.checkpoint;
   other.resume = true;
   EXPECT_TRUE(throws_with([&] { apex::train::train(other, data); }, "was written by another run"));
+  auto half = o;
+  half.half_dtype = c10::kHalf;
+  half.resume = true;
+  EXPECT_TRUE(throws_with([&] { apex::train::train(half, data); }, "was written by another run"));
+  auto done = o;
+  done.resume = true;
+  EXPECT_TRUE(throws_with([&] { apex::train::train(done, data); }, "nothing left to train"));
   auto empty = o;
   empty.checkpoint = path("nothing");
   empty.resume = true;

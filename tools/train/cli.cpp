@@ -98,7 +98,6 @@ Cli parse_cli(const std::vector<std::string>& args) {
   TrainOptions& o = cli.train;
   bool level_set = false;
   bool half_set = false;
-  bool warmup_set = false;
   static const std::set<std::string> kPerLevel = {"--compare", "--opt-level",  "--plot",
                                                   "--metrics", "--checkpoint", "--summary-out"};
   for (size_t i = 0; i < args.size(); ++i) {
@@ -186,7 +185,6 @@ Cli parse_cli(const std::vector<std::string>& args) {
       TORCH_CHECK(o.lr > 0, "apex-train: --lr must be > 0, got '", v, "'");
     } else if (flag == "--warmup") {
       o.warmup = to_int(flag, v, 0);
-      warmup_set = true;
     } else if (flag == "--weight-decay") {
       o.weight_decay = to_double(flag, v, 0.0);
     } else if (flag == "--clip") {
@@ -226,7 +224,6 @@ Cli parse_cli(const std::vector<std::string>& args) {
     const std::string& f = o.model.family;
     o.steps = f == "transformer" ? 160 : f == "resnet" ? 150 : f == "wav2vec2" ? 150 : 300;
   }
-  if (!warmup_set) o.warmup = o.steps > 0 ? o.steps / 10 : 0;
   return cli;
 }
 

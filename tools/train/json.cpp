@@ -68,7 +68,13 @@ std::string get_string(const std::string& object, const std::string& key) {
   for (++p; p < object.size() && object[p] != '"'; ++p) {
     if (object[p] == '\\' && p + 1 < object.size()) {
       ++p;
-      out += object[p] == 'n' ? '\n' : object[p] == 't' ? '\t' : object[p];
+      if (object[p] == 'u' && p + 4 < object.size()) {
+        // Only what quote() writes: \u00XX for control characters.
+        out += static_cast<char>(std::strtol(object.substr(p + 1, 4).c_str(), nullptr, 16));
+        p += 4;
+      } else {
+        out += object[p] == 'n' ? '\n' : object[p] == 't' ? '\t' : object[p];
+      }
     } else {
       out += object[p];
     }

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -33,20 +34,33 @@ Summary run_child(const Cli& cli, const std::string& level, const fs::path& work
   if (!cli.train.checkpoint.empty()) {
     args.insert(args.end(), {"--checkpoint", (fs::path(cli.train.checkpoint) / level).string()});
   }
+  if (cli.train.resume && !cli.train.metrics.empty()) {
+    // The child resumes its level's curve from the user's metrics file.
+    std::ifstream in(cli.train.metrics);
+    std::ofstream seed(metrics);
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.find("\"level\": " + apex::train::json::quote(level)) != std::string::npos) {
+        seed << line << "\n";
+      }
+    }
+  }
+  std::vector<char*> argv;  // built before fork: the child only execs
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
   std::fflush(stdout);
   std::fflush(stderr);
   const pid_t pid = fork();
   TORCH_CHECK(pid >= 0, "apex-train: fork failed");
   if (pid == 0) {
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
     execv(argv[0], argv.data());
     std::perror("apex-train: exec");
     _exit(127);
   }
   int status = 0;
   waitpid(pid, &status, 0);
+  TORCH_CHECK(!WIFSIGNALED(status), "apex-train: the ", level, " run was killed by signal ",
+              WTERMSIG(status), WTERMSIG(status) == SIGKILL ? " (out of memory?)" : "");
   TORCH_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "apex-train: the ", level,
               " run failed (see its message above)");
   std::ifstream in(summary);
@@ -86,19 +100,23 @@ int run(const Cli& cli) {
     const auto data = apex::train::load_data(cli.train);
     std::printf("apex-train: %s, %lld train / %lld held-out samples, %lld steps of %lld, half %s\n",
                 cli.train.model.family.c_str(), static_cast<long long>(data.train.size()),
-                static_cast<long long>(data.test.size()), static_cast<long long>(cli.train.steps),
+                static_cast<long long>(data.test.size()),
+                static_cast<long long>(apex::train::total_steps(cli.train, data.train.size())),
                 static_cast<long long>(cli.train.batch_size * cli.train.accumulate),
                 cli.train.half_dtype == c10::kBFloat16 ? "bf16" : "fp16");
   }
   const fs::path work = fs::temp_directory_path() / ("apex-train-" + std::to_string(getpid()));
   fs::create_directories(work);
+  // The children's files go whatever happens below.
+  struct RemoveOnExit {
+    fs::path path;
+    ~RemoveOnExit() {
+      std::error_code ec;
+      fs::remove_all(path, ec);
+    }
+  } cleanup{work};
   std::vector<Summary> runs;
-  try {
-    for (const auto& level : cli.compare) runs.push_back(run_child(cli, level, work));
-  } catch (...) {
-    fs::remove_all(work);
-    throw;
-  }
+  for (const auto& level : cli.compare) runs.push_back(run_child(cli, level, work));
   std::printf("\n%s\n%s", runs.front().model.c_str(), apex::train::compare_table(runs).c_str());
   if (!cli.train.metrics.empty()) {
     std::string all;
@@ -109,7 +127,6 @@ int run(const Cli& cli) {
     apex::train::write_file_atomic(cli.train.metrics, all);
   }
   if (!cli.plot.empty()) apex::train::write_svg(cli.plot, runs);
-  fs::remove_all(work);
   return 0;
 }
 

@@ -9,16 +9,20 @@
 
 namespace apex::train {
 
-Progress::Progress(std::string label, int64_t total_steps, bool enabled)
+Progress::Progress(std::string label, int64_t first_step, int64_t total_steps, bool enabled)
     : label_(std::move(label)),
-      total_(std::max<int64_t>(total_steps, 1)),
+      first_(first_step),
+      total_(std::max<int64_t>(total_steps, first_step + 1)),
       enabled_(enabled),
       tty_(isatty(STDERR_FILENO) != 0) {}
 
 void Progress::update(const StepRecord& r) {
   if (!enabled_) return;
   const double done = static_cast<double>(r.step) / static_cast<double>(total_);
-  const double eta = done > 0 ? r.elapsed_s * (1.0 - done) / done : 0.0;
+  // Elapsed time counts from this process's first step (a resumed run starts later).
+  const double run_done =
+      static_cast<double>(r.step - first_) / static_cast<double>(total_ - first_);
+  const double eta = run_done > 0 ? r.elapsed_s * (1.0 - run_done) / run_done : 0.0;
   const int eta_s = static_cast<int>(eta + 0.5);
   if (tty_) {
     constexpr int kWidth = 24;

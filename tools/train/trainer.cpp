@@ -6,6 +6,7 @@
 #include <apex/amp/initialize.h>
 #include <apex/optim.h>
 #include <c10/util/Exception.h>
+#include <fcntl.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize/input-archive.h>
@@ -73,13 +74,14 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainOptions& o,
       params, torch::optim::SGDOptions(o.lr).momentum(0.9).weight_decay(o.weight_decay));
 }
 
-// Warm-up, then cosine decay to lr / 10.
+// Warm-up (default: a tenth of the run), then cosine decay to lr / 10.
 double lr_at(const TrainOptions& o, int64_t step, int64_t total) {
-  if (o.warmup > 0 && step < o.warmup) {
-    return o.lr * static_cast<double>(step + 1) / static_cast<double>(o.warmup);
+  const int64_t warmup = o.warmup >= 0 ? o.warmup : total / 10;
+  if (warmup > 0 && step < warmup) {
+    return o.lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
   }
-  const double span = static_cast<double>(std::max<int64_t>(1, total - o.warmup));
-  const double t = std::min(1.0, static_cast<double>(step - o.warmup) / span);
+  const double span = static_cast<double>(std::max<int64_t>(1, total - warmup));
+  const double t = std::min(1.0, static_cast<double>(step - warmup) / span);
   return o.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * t)));
 }
 
@@ -123,9 +125,20 @@ std::string signature(const TrainOptions& o, const torch::nn::Module& model) {
   std::ostringstream s;
   const ModelConfig c = resolved(o.model);
   s << c.family << " width=" << c.width << " depth=" << c.depth << " heads=" << c.heads
-    << " level=" << o.opt_level << " optimizer=" << o.optimizer << " params=";
+    << " level=" << o.opt_level << " half=" << c10::toString(o.half_dtype)
+    << " loss_scale=" << (o.loss_scale.empty() ? "default" : o.loss_scale)
+    << " optimizer=" << o.optimizer << " params=";
   for (const auto& p : model.named_parameters()) s << p.key() << p.value().sizes() << ";";
   return s.str();
+}
+
+// Flushes a file or folder to the disk, so that a rename after it cannot expose a torn file.
+void sync_path(const fs::path& p) {
+  const int fd = ::open(p.c_str(), O_RDONLY);
+  TORCH_CHECK(fd >= 0, "apex-train: cannot open ", p.string(), " to flush it");
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  TORCH_CHECK(rc == 0, "apex-train: cannot flush ", p.string(), " to disk");
 }
 
 void save_checkpoint(const TrainOptions& o, int64_t step, torch::nn::Module& model,
@@ -154,6 +167,8 @@ void save_checkpoint(const TrainOptions& o, int64_t step, torch::nn::Module& mod
            << "}\n";
       TORCH_CHECK(meta.good(), "apex-train: cannot write ", (tmp / "meta.json").string());
     }
+    for (const auto& entry : fs::directory_iterator(tmp)) sync_path(entry.path());
+    sync_path(tmp);
     fs::remove_all(final_dir);
     fs::rename(tmp, final_dir);
     const fs::path latest_tmp = dir / ".latest.tmp";
@@ -162,15 +177,18 @@ void save_checkpoint(const TrainOptions& o, int64_t step, torch::nn::Module& mod
       latest << final_dir.filename().string() << "\n";
       TORCH_CHECK(latest.good(), "apex-train: cannot write ", latest_tmp.string());
     }
+    sync_path(latest_tmp);
     fs::rename(latest_tmp, dir / "latest");
+    sync_path(dir);
   } catch (const std::exception& e) {
     std::error_code ec;
     fs::remove_all(tmp, ec);
+    fs::remove(dir / ".latest.tmp", ec);
     const auto* c10e = dynamic_cast<const c10::Error*>(&e);
     TORCH_CHECK(false, "apex-train: saving checkpoint to ", dir.string(),
                 " failed: ", c10e ? c10e->what_without_backtrace() : e.what());
   }
-  // Only the newest checkpoint is kept.
+  // Only the newest checkpoint is kept (it is on disk now, so the older one can go).
   for (const auto& entry : fs::directory_iterator(dir)) {
     const std::string name = entry.path().filename().string();
     if (name.rfind("step-", 0) == 0 && entry.path() != final_dir) fs::remove_all(entry.path());
@@ -207,6 +225,21 @@ int64_t load_checkpoint(const TrainOptions& o, torch::nn::Module& model,
   return static_cast<int64_t>(json::get_number(meta, "step"));
 }
 
+// Steps that must overflow in a row before a dynamic loss scale counts as stuck.
+constexpr int64_t kStuckSteps = 20;
+
+// The step records of `path` up to `step` (all levels), as text; "" when the file is absent.
+std::string metrics_up_to(const std::string& path, int64_t step) {
+  std::ifstream in(path);
+  std::string kept;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line.find("\"summary\": true") != std::string::npos) continue;
+    if (json::get_number(line, "step") <= static_cast<double>(step)) kept += line + "\n";
+  }
+  return kept;
+}
+
 struct Eval {
   double loss = 0;
   double accuracy = 0;
@@ -233,6 +266,12 @@ Eval evaluate(Classifier& model, apex::amp::Amp* amp, std::shared_ptr<Classifier
 }
 
 }  // namespace
+
+int64_t total_steps(const TrainOptions& o, int64_t train_size) {
+  if (o.steps > 0) return o.steps;
+  const int64_t per_step = o.batch_size * o.accumulate;
+  return std::max<int64_t>(1, std::max<int64_t>(o.epochs, 1) * train_size / per_step);
+}
 
 Split load_data(const TrainOptions& o) {
   const std::string name = o.data.empty() ? default_data(o.model.family) : o.data;
@@ -276,10 +315,7 @@ Summary train(const TrainOptions& o, const Split& data) {
   if (o.threads > 0) at::set_num_threads(o.threads);
   const bool plain = o.opt_level == "fp32";
   const int64_t per_step = o.batch_size * o.accumulate;
-  int64_t total =
-      o.steps > 0
-          ? o.steps
-          : std::max<int64_t>(1, (std::max<int64_t>(o.epochs, 1) * data.train.size()) / per_step);
+  int64_t total = total_steps(o, data.train.size());
 
   std::shared_ptr<Classifier> model = make_model(o.model, data.train, o.seed);
   model->to(o.device);
@@ -294,6 +330,8 @@ Summary train(const TrainOptions& o, const Split& data) {
   apex::amp::Amp* ampp = amp ? &*amp : nullptr;
   int64_t start = 0;
   if (o.resume) start = load_checkpoint(o, *model, *optimizer, ampp);
+  TORCH_CHECK(start < total, "apex-train: --resume: the checkpoint is at step ", start,
+              " and this run has ", total, " steps: nothing left to train (raise --steps)");
 
   Summary s;
   s.level = o.opt_level;
@@ -301,16 +339,23 @@ Summary train(const TrainOptions& o, const Split& data) {
   Sampler sampler(data.train.size(), o.seed);
   std::FILE* metrics = nullptr;
   if (!o.metrics.empty()) {
-    metrics = std::fopen(o.metrics.c_str(), o.resume ? "a" : "w");
+    // A resumed run keeps the records up to its checkpoint and drops the rest (steps logged after
+    // the checkpoint, and the interrupted run's summary), so the file reads as one run.
+    const std::string kept = o.resume ? metrics_up_to(o.metrics, start) : std::string();
+    metrics = std::fopen(o.metrics.c_str(), "w");
     TORCH_CHECK(metrics != nullptr, "apex-train: cannot write --metrics ", o.metrics);
+    std::fputs(kept.c_str(), metrics);
   }
-  Progress progress(o.opt_level, total, o.progress);
+  Progress progress(o.opt_level, start, total, o.progress);
   const auto t0 = Clock::now();
   double train_seconds = 0;
-  at::Tensor window_loss = at::zeros({}, at::TensorOptions().dtype(at::kDouble));
+  // The window's loss stays on the device until it is logged: no host sync per micro-batch.
+  at::Tensor window_loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(o.device));
   int64_t window_steps = 0;
-  int64_t skipped_at_window = ampp ? ampp->skipped_steps() : 0;
+  int64_t skipped_before = ampp ? ampp->skipped_steps() : 0;
+  int64_t skipped_in_a_row = 0;
   double last_logged_time = 0;
+  const bool dynamic = ampp != nullptr && ampp->loss_scaler().dynamic();
   try {
     for (int64_t step = start; step < total; ++step) {
       const auto step_t0 = Clock::now();
@@ -328,7 +373,7 @@ Summary train(const TrainOptions& o, const Split& data) {
         const at::Tensor y = data.train.labels.index_select(0, idx).to(o.device);
         const at::Tensor logits = ampp ? ampp->forward(model, x) : model->forward(x);
         at::Tensor loss = at::cross_entropy_loss(logits.to(at::kFloat), y);
-        window_loss += loss.detach().to(at::kCPU, at::kDouble) / static_cast<double>(o.accumulate);
+        window_loss += loss.detach() / static_cast<double>(o.accumulate);
         if (o.accumulate > 1) loss = loss / static_cast<double>(o.accumulate);
         if (ampp) {
           ampp->scale_loss(loss, 0,
@@ -348,6 +393,17 @@ Summary train(const TrainOptions& o, const Split& data) {
       }
       ++window_steps;
       train_seconds += seconds_since(step_t0);
+      if (ampp != nullptr) {
+        const int64_t skipped = ampp->skipped_steps();
+        skipped_in_a_row = skipped > skipped_before ? skipped_in_a_row + 1 : 0;
+        skipped_before = skipped;
+        // From the default 2^16 the scale is below 0.1 after 20 halvings: it is at its floor.
+        TORCH_CHECK(
+            skipped_in_a_row < kStuckSteps, "apex-train: ", kStuckSteps,
+            " steps in a row overflowed (loss scale ", ampp->loss_scale(), ") at ", o.opt_level,
+            ": the loss scale is stuck at its floor and training has diverged; lower --lr (", o.lr,
+            ") or use bf16");
+      }
       const bool interrupted = o.stop_after > 0 && step + 1 == o.stop_after;
       const bool last = step + 1 == total || interrupted;
       if ((step + 1) % o.log_every == 0 || last) {
@@ -360,18 +416,10 @@ Summary train(const TrainOptions& o, const Split& data) {
         r.samples_per_s = static_cast<double>(window_steps * per_step) /
                           std::max(1e-9, train_seconds - last_logged_time);
         last_logged_time = train_seconds;
-        const int64_t skipped = ampp ? ampp->skipped_steps() : 0;
         // Without dynamic loss scaling nothing skips a bad step: a non-finite loss is final.
-        const bool dynamic = ampp != nullptr && ampp->loss_scaler().dynamic();
         TORCH_CHECK(std::isfinite(r.loss) || dynamic, "apex-train: the loss became ", r.loss,
                     " by step ", r.step, " at ", o.opt_level,
                     " (no dynamic loss scaling): training diverged; lower --lr (", o.lr, ")");
-        TORCH_CHECK(
-            !(ampp && skipped - skipped_at_window == window_steps && window_steps >= 10),
-            "apex-train: every one of the last ", window_steps, " steps overflowed (loss scale ",
-            r.loss_scale, ") at ", o.opt_level,
-            ": the loss scale is stuck at its floor and training has diverged; lower --lr (", o.lr,
-            ") or use bf16");
         s.curve.push_back(r);
         progress.update(r);
         if (metrics != nullptr) {
@@ -381,10 +429,14 @@ Summary train(const TrainOptions& o, const Split& data) {
         s.final_loss = r.loss;
         window_loss.zero_();
         window_steps = 0;
-        skipped_at_window = skipped;
       }
       if (!o.checkpoint.empty() &&
           (last || (o.checkpoint_every > 0 && (step + 1) % o.checkpoint_every == 0))) {
+        // Never save weights a non-finite loss may have spoiled (between logged steps too).
+        TORCH_CHECK(dynamic || std::isfinite(window_loss.item<double>()),
+                    "apex-train: the loss became non-finite before step ", step + 1, " at ",
+                    o.opt_level, ": training diverged (no checkpoint written); lower --lr (", o.lr,
+                    ")");
         save_checkpoint(o, step + 1, *model, *optimizer, ampp);
       }
       if (interrupted) {
@@ -426,8 +478,7 @@ std::string to_json(const Summary& s) {
       << ", \"test_accuracy\": " << json::num(s.test_accuracy)
       << ", \"skipped_steps\": " << s.skipped_steps
       << ", \"loss_scale\": " << json::num(s.loss_scale)
-      << ", \"peak_rss_mb\": " << json::num(s.peak_rss_mb)
-      << ", \"peak_allocated_mb\": " << json::num(s.peak_allocated_mb) << "}";
+      << ", \"peak_rss_mb\": " << json::num(s.peak_rss_mb) << "}";
   return out.str();
 }
 
@@ -445,7 +496,6 @@ Summary summary_from_json(const std::string& line) {
   s.skipped_steps = static_cast<int64_t>(json::get_number(line, "skipped_steps"));
   s.loss_scale = json::get_number(line, "loss_scale");
   s.peak_rss_mb = json::get_number(line, "peak_rss_mb");
-  s.peak_allocated_mb = json::get_number(line, "peak_allocated_mb");
   return s;
 }
 

@@ -36,7 +36,7 @@ struct TrainOptions {
   int64_t steps = 0;   ///< optimizer steps (0: from epochs)
   int64_t epochs = 0;  ///< passes over the train split (used when steps == 0)
   double lr = 1e-3;
-  int64_t warmup = 0;  ///< linear warm-up steps, then cosine decay to lr/10
+  int64_t warmup = -1;  ///< linear warm-up steps, then cosine decay to lr/10 (-1: total/10)
   double weight_decay = 0.01;
   uint64_t seed = 0;
   c10::Device device = c10::kCPU;
@@ -74,10 +74,12 @@ struct Summary {
   double test_accuracy = 0;
   int64_t skipped_steps = 0;
   double loss_scale = 1;
-  double peak_rss_mb = 0;        ///< the process's high-water mark (VmHWM)
-  double peak_allocated_mb = 0;  ///< CUDA allocator peak (0 on CPU)
+  double peak_rss_mb = 0;  ///< the process's high-water mark (VmHWM)
   std::vector<StepRecord> curve;
 };
+
+/// Optimizer steps of a run over a train split of `train_size` samples (--steps, or --epochs).
+int64_t total_steps(const TrainOptions& options, int64_t train_size);
 
 /// Loads (or generates) the data the options name; errors are one-line c10::Errors.
 Split load_data(const TrainOptions& options);
