@@ -421,12 +421,20 @@ void novograd_chunk(const Span& s, const NovoGradChunk& a) {
 constexpr int kLanes = 64;
 
 // Pairwise tree over the partials (halves added element-wise, so it vectorizes); fixed order.
+// Each level has a compile-time width, so the whole tree unrolls into a few vector adds.
 template <int N>
-float combine(float (&acc)[N]) {
-  for (int half = N / 2; half >= 1; half /= 2) {
-    for (int j = 0; j < half; ++j) acc[j] += acc[j + half];
+__attribute__((always_inline)) inline float combine_tree(float* acc) {
+  if constexpr (N == 1) {
+    return acc[0];
+  } else {
+    for (int j = 0; j < N / 2; ++j) acc[j] += acc[j + N / 2];
+    return combine_tree<N / 2>(acc);
   }
-  return acc[0];
+}
+
+template <int N>
+__attribute__((always_inline)) inline float combine(float (&acc)[N]) {
+  return combine_tree<N>(acc);
 }
 
 // Sum of (x - c)^2 with L partials (c = 0: the plain sum of squares; kSquare false: sum of x).
@@ -517,7 +525,7 @@ inline float x_hat(const NormRowBackward& r, const float* __restrict src, int64_
 // One backward row in three passes over src (x or y) and dy; only the first comes from memory,
 // the others find the row in L1. Nothing row-sized is stored besides dx and the dw/db partials,
 // which keeps the working set small.
-template <bool kFromOutput>
+template <bool kFromOutput, int kHalf>
 void norm_backward_rows(const NormRowBackward& r, const float* __restrict src,
                         const float* __restrict dy) {
   const int64_t cols = r.cols;
@@ -530,8 +538,7 @@ void norm_backward_rows(const NormRowBackward& r, const float* __restrict src,
       db[i] += dy[i];
     }
   }
-  // 2: sum(g) and sum(g * x_hat), g = dy * w, with kLanes / 2 partials each (in registers).
-  constexpr int kHalf = kLanes / 2;
+  // 2: sum(g) and sum(g * x_hat), g = dy * w, with kHalf partials each (in registers).
   float acc_g[kHalf] = {};
   float acc_gx[kHalf] = {};
   int64_t i = 0;
@@ -566,10 +573,14 @@ void norm_backward_row(const NormRowBackward& r) {
   const int64_t stride = norm_scratch_stride(r.cols);
   const float* src = load(r.src_dtype, const_cast<void*>(r.src), r.scratch, r.cols);
   const float* dy = load(r.dy_dtype, const_cast<void*>(r.dy), r.scratch + stride, r.cols);
+  // Short rows take 16 partials per sum: the trees over 32 cost more than such a row.
+  const bool wide = r.cols >= 4 * kLanes;
   if (r.from_output) {
-    norm_backward_rows<true>(r, src, dy);
+    wide ? norm_backward_rows<true, kLanes / 2>(r, src, dy)
+         : norm_backward_rows<true, 16>(r, src, dy);
   } else {
-    norm_backward_rows<false>(r, src, dy);
+    wide ? norm_backward_rows<false, kLanes / 2>(r, src, dy)
+         : norm_backward_rows<false, 16>(r, src, dy);
   }
 }
 
