@@ -3,7 +3,9 @@
 // later, the CUDA backend with the same declarations. Rows are contiguous; math is in fp32.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 
 #include "kernels/multi_tensor.h"
 
@@ -53,6 +55,11 @@ struct NormBackwardArgs {
   void* dx = nullptr;
   float* dw = nullptr;
   float* db = nullptr;
+  /// CUDA backend: device scratch for the dw/db partial rows. Called at most once with the bytes
+  /// needed; must return memory usable on the call's stream by the work this call enqueues (the
+  /// framework's caching allocator: it is what already holds the device's memory). Empty: the
+  /// backend allocates its own with cudaMallocAsync. Unused by the CPU backend.
+  std::function<void*(std::size_t)> workspace;
 };
 
 namespace cpu {

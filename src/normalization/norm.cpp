@@ -224,6 +224,13 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
       if (rows > 0 && cols > 0) {
         if (src.is_cuda()) {
           const c10::DeviceGuard guard(src.device());
+          // The dw/db partial rows come from torch's caching allocator (on the current stream),
+          // which already holds the device's memory; freed after the work is enqueued, as usual.
+          at::Tensor workspace;
+          a.workspace = [&](std::size_t bytes) {
+            workspace = at::empty({static_cast<int64_t>(bytes)}, src.options().dtype(at::kByte));
+            return workspace.data_ptr();
+          };
           kernels::cuda::norm_backward(a, optim::detail::cuda_stream(src.device()));
         } else {
           kernels::cpu::norm_backward(a);

@@ -15,6 +15,9 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -764,13 +767,27 @@ int device_sm_count(const char* name) {
   return sms > 0 ? sms : 1;
 }
 
-/// Blocks of `kernel` that run at once on the device (at least one per SM).
+/// Blocks of `kernel` that run at once on the device (at least one per SM). Queried once per
+/// (device, block size) and kept: every backward call needs it.
 template <typename Kernel>
 int64_t resident_blocks(const char* name, Kernel kernel, int threads) {
+  int device = 0;
+  detail::check_cuda(name, cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, int64_t> cache;
+  const std::pair<int, int> key{device, threads};
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
   int per_sm = 0;
   detail::check_cuda(name,
                      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
-  return static_cast<int64_t>(device_sm_count(name)) * (per_sm > 0 ? per_sm : 1);
+  const int64_t blocks = static_cast<int64_t>(device_sm_count(name)) * (per_sm > 0 ? per_sm : 1);
+  const std::lock_guard<std::mutex> lock(mutex);
+  cache.emplace(key, blocks);
+  return blocks;
 }
 
 inline constexpr int64_t kMaxGrid = int64_t{1} << 30;
@@ -884,10 +901,19 @@ void norm_backward(const NormBackwardArgs& args, void* stream_ptr) {
     }
     const std::size_t part_elems =
         static_cast<std::size_t>(blocks) * static_cast<std::size_t>(args.cols);
-    const detail::StreamBuffer parts(
-        kName, part_elems * sizeof(float) * ((want_w ? 1 : 0) + (want_b ? 1 : 0)), stream);
-    p.part_w = want_w ? parts.as<float>() : nullptr;
-    p.part_b = want_b ? parts.as<float>() + (want_w ? part_elems : 0) : nullptr;
+    const std::size_t bytes = part_elems * sizeof(float) * ((want_w ? 1 : 0) + (want_b ? 1 : 0));
+    // The caller's allocator when it gives one (torch's caching allocator), else our own.
+    std::optional<detail::StreamBuffer> own;
+    float* parts = nullptr;
+    if (args.workspace) {
+      parts = static_cast<float*>(args.workspace(bytes));
+      if (parts == nullptr) detail::fail(kName, "the workspace callback returned null");
+    } else {
+      own.emplace(kName, bytes, stream);
+      parts = own->as<float>();
+    }
+    p.part_w = want_w ? parts : nullptr;
+    p.part_b = want_b ? parts + (want_w ? part_elems : 0) : nullptr;
     detail::launch(kernel_name, kernel, static_cast<unsigned>(blocks), threads, stream, p);
     {
       detail::launch("apex::kernels::cuda::norm_grad_reduce", norm_grad_reduce_kernel,
