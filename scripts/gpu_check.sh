@@ -25,5 +25,14 @@ timeout 150 build-gpu/tools/apex-bench norm --device cuda --repeats 20 --warmup 
 echo; echo "== apex-train --device cuda (transformer, O0/O1/O2, fp16) =="
 timeout 120 build-gpu/tools/apex-train --device cuda --steps 100 --no-progress 2>&1 |
   tee "$OUT/train-cuda.txt" | tail -6
+if command -v compute-sanitizer >/dev/null; then
+  echo; echo "== compute-sanitizer (memcheck, racecheck) on one norm case =="
+  for tool in memcheck racecheck; do
+    timeout 90 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      build-gpu/tests/normalization/apex_norm_cuda_tests --gtest_filter=NormCuda.MixedAndDeterministic \
+      >"$OUT/sanitizer-$tool.log" 2>&1
+    echo "$tool: exit $? (log in $OUT/sanitizer-$tool.log)"
+  done
+fi
 echo; echo "== cuda tests =="
 grep -E "Test +#" "$OUT/ctest-cuda.log" | sed -E 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: //; s/ \.+ */  /'
