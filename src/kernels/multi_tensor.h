@@ -14,6 +14,9 @@ namespace apex::kernels {
 /// Storage dtype of one tensor list.
 enum class DType : int8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+/// Bytes per element of `t`.
+inline constexpr int64_t dtype_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+
 inline constexpr int kMaxLists = 6;
 
 /// Parallel tensor lists: tensor i of list l starts at ptrs[l][i]; all lists of one call share the

@@ -121,7 +121,7 @@ inline void store(DType t, const float* src, void* dst, int64_t n) {
 }
 
 inline void* at(void* base, DType t, int64_t offset) {
-  return static_cast<char*>(base) + offset * (t == DType::kFloat32 ? 4 : 2);
+  return static_cast<char*>(base) + offset * dtype_size(t);
 }
 
 // Tile walker: for each tile, the parameter the math works on (the master when `master` names a
@@ -478,7 +478,7 @@ void to_float_values(const void* src, DType t, float* dst, int64_t n) {
 // busy during the passes that do not read it (worth ~10 % with two threads; prefetches never
 // fault, so the row after the last one is harmless).
 void prefetch_next_row(const void* row, DType t, int64_t cols) {
-  const int64_t row_bytes = cols * (t == DType::kFloat32 ? 4 : 2);
+  const int64_t row_bytes = cols * dtype_size(t);
   const char* next = static_cast<const char*>(row) + row_bytes;
   for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off);
 }

@@ -66,8 +66,7 @@ Span span_of(const TensorLists& lists, const Chunk& c) {
   for (int l = 0; l < kMaxLists; ++l) {
     s.t[l] = lists.dtype[l];
     if (lists.ptrs[l] == nullptr) continue;
-    const int64_t elem = lists.dtype[l] == DType::kFloat32 ? 4 : 2;
-    s.p[l] = static_cast<char*>(lists.ptrs[l][c.tensor]) + c.begin * elem;
+    s.p[l] = static_cast<char*>(lists.ptrs[l][c.tensor]) + c.begin * dtype_size(lists.dtype[l]);
   }
   return s;
 }

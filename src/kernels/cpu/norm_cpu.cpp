@@ -28,8 +28,8 @@ std::vector<float> to_float(const void* p, DType t, int64_t n) {
 void norm_forward(const NormForwardArgs& a) {
   const std::vector<float> w = to_float(a.w, a.w_dtype, a.cols);
   const std::vector<float> b = to_float(a.b, a.w_dtype, a.cols);
-  const int64_t elem = a.x_dtype == DType::kFloat32 ? 4 : 2;
-  const int64_t y_elem = a.y_dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t elem = dtype_size(a.x_dtype);
+  const int64_t y_elem = dtype_size(a.y_dtype);
   at::parallel_for(0, a.rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(static_cast<size_t>(2 * norm_scratch_stride(a.cols)));
     for (int64_t r = begin; r < end; ++r) {
@@ -51,9 +51,9 @@ void norm_backward(const NormBackwardArgs& a) {
   if (b.empty()) b.assign(static_cast<size_t>(a.cols), 0.0f);
   const void* src = from_output ? a.y : a.x;
   const DType src_dtype = from_output ? a.dy_dtype : a.x_dtype;
-  const int64_t src_elem = src_dtype == DType::kFloat32 ? 4 : 2;
-  const int64_t dx_elem = a.x_dtype == DType::kFloat32 ? 4 : 2;
-  const int64_t dy_elem = a.dy_dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t src_elem = dtype_size(src_dtype);
+  const int64_t dx_elem = dtype_size(a.x_dtype);
+  const int64_t dy_elem = dtype_size(a.dy_dtype);
   // Fixed blocks of rows, each with its own fp64 sums of dw/db; inside a block, fp32 partials
   // over groups of kGroup rows are added into them. The result does not depend on threads.
   constexpr int64_t kGroup = 16;

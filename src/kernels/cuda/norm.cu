@@ -690,11 +690,9 @@ __global__ void __launch_bounds__(kReduceCols* kReduceSlices)
 // Host side
 // ---------------------------------------------------------------------------------------------
 
-std::size_t dtype_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }
-
 /// Whether p allows the vector accesses of V elements of dtype t (null counts as aligned).
 bool vec_aligned(const void* p, DType t, int v) {
-  const std::size_t bytes = static_cast<std::size_t>(v) * dtype_size(t);
+  const std::size_t bytes = static_cast<std::size_t>(v) * static_cast<std::size_t>(dtype_size(t));
   const std::size_t need = bytes < 16 ? bytes : 16;
   return reinterpret_cast<std::uintptr_t>(p) % need == 0;
 }
