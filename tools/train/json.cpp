@@ -101,4 +101,15 @@ std::string step_record(const std::string& level, const StepRecord& r) {
   return out.str();
 }
 
+StepRecord step_from_json(const std::string& line) {
+  StepRecord r;
+  r.step = static_cast<int64_t>(get_number(line, "step"));
+  r.loss = get_number(line, "loss");
+  r.loss_scale = get_number(line, "loss_scale");
+  r.lr = get_number(line, "lr");
+  r.samples_per_s = get_number(line, "samples_per_s");
+  r.elapsed_s = get_number(line, "elapsed_s");
+  return r;
+}
+
 }  // namespace apex::train::json

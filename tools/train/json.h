@@ -17,7 +17,8 @@ std::string num(double v);
 /// The value of "key" in a flat object; throws c10::Error naming the key when absent or mistyped.
 std::string get_string(const std::string& object, const std::string& key);
 double get_number(const std::string& object, const std::string& key);
-/// One metrics line for a logged step.
+/// One metrics line for a logged step, and back.
 std::string step_record(const std::string& level, const StepRecord& r);
+StepRecord step_from_json(const std::string& line);
 
 }  // namespace apex::train::json

@@ -13,6 +13,7 @@
 
 #include "train/cli.h"
 #include "train/data.h"
+#include "train/files.h"
 #include "train/json.h"
 #include "train/report.h"
 
@@ -71,14 +72,7 @@ Summary run_child(const Cli& cli, const std::string& level, const fs::path& work
   std::ifstream m(metrics);
   while (std::getline(m, line)) {
     if (line.find("\"summary\"") != std::string::npos) continue;
-    apex::train::StepRecord r;
-    r.step = static_cast<int64_t>(apex::train::json::get_number(line, "step"));
-    r.loss = apex::train::json::get_number(line, "loss");
-    r.loss_scale = apex::train::json::get_number(line, "loss_scale");
-    r.lr = apex::train::json::get_number(line, "lr");
-    r.samples_per_s = apex::train::json::get_number(line, "samples_per_s");
-    r.elapsed_s = apex::train::json::get_number(line, "elapsed_s");
-    s.curve.push_back(r);
+    s.curve.push_back(apex::train::json::step_from_json(line));
   }
   return s;
 }

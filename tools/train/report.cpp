@@ -1,13 +1,11 @@
 #include "train/report.h"
 
-#include <c10/util/Exception.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <sstream>
+
+#include "train/files.h"
 
 namespace apex::train {
 
@@ -26,26 +24,6 @@ std::string compare_table(const std::vector<Summary>& runs) {
     out << line;
   }
   return out.str();
-}
-
-void write_file_atomic(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f << text;
-    f.close();
-    if (!f.good()) {
-      std::error_code ec;
-      std::filesystem::remove(tmp, ec);
-      TORCH_CHECK(false, "apex-train: cannot write ", path);
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    TORCH_CHECK(false, "apex-train: cannot write ", path);
-  }
 }
 
 namespace {

@@ -14,10 +14,7 @@ namespace apex::train {
 std::string compare_table(const std::vector<Summary>& runs);
 
 /// An SVG chart of the train-loss curves of every run, one polyline per level, with axes and a
-/// legend; written atomically (temporary file, then rename).
+/// legend; written atomically (write_file_atomic).
 void write_svg(const std::string& path, const std::vector<Summary>& runs);
-
-/// Writes `text` to `path` atomically; a one-line c10::Error on failure.
-void write_file_atomic(const std::string& path, const std::string& text);
 
 }  // namespace apex::train

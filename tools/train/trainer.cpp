@@ -6,12 +6,10 @@
 #include <apex/amp/initialize.h>
 #include <apex/optim.h>
 #include <c10/util/Exception.h>
-#include <fcntl.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -22,6 +20,7 @@
 #include <sstream>
 
 #include "train/data.h"
+#include "train/files.h"
 #include "train/json.h"
 #include "train/progress.h"
 
@@ -132,15 +131,6 @@ std::string signature(const TrainOptions& o, const torch::nn::Module& model) {
   return s.str();
 }
 
-// Flushes a file or folder to the disk, so that a rename after it cannot expose a torn file.
-void sync_path(const fs::path& p) {
-  const int fd = ::open(p.c_str(), O_RDONLY);
-  TORCH_CHECK(fd >= 0, "apex-train: cannot open ", p.string(), " to flush it");
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  TORCH_CHECK(rc == 0, "apex-train: cannot flush ", p.string(), " to disk");
-}
-
 void save_checkpoint(const TrainOptions& o, int64_t step, torch::nn::Module& model,
                      torch::optim::Optimizer& optimizer, apex::amp::Amp* amp) {
   const fs::path dir(o.checkpoint);
@@ -171,19 +161,11 @@ void save_checkpoint(const TrainOptions& o, int64_t step, torch::nn::Module& mod
     sync_path(tmp);
     fs::remove_all(final_dir);
     fs::rename(tmp, final_dir);
-    const fs::path latest_tmp = dir / ".latest.tmp";
-    {
-      std::ofstream latest(latest_tmp);
-      latest << final_dir.filename().string() << "\n";
-      TORCH_CHECK(latest.good(), "apex-train: cannot write ", latest_tmp.string());
-    }
-    sync_path(latest_tmp);
-    fs::rename(latest_tmp, dir / "latest");
+    write_file_atomic((dir / "latest").string(), final_dir.filename().string() + "\n");
     sync_path(dir);
   } catch (const std::exception& e) {
     std::error_code ec;
     fs::remove_all(tmp, ec);
-    fs::remove(dir / ".latest.tmp", ec);
     const auto* c10e = dynamic_cast<const c10::Error*>(&e);
     TORCH_CHECK(false, "apex-train: saving checkpoint to ", dir.string(),
                 " failed: ", c10e ? c10e->what_without_backtrace() : e.what());
@@ -245,10 +227,10 @@ struct Eval {
   double accuracy = 0;
 };
 
-Eval evaluate(Classifier& model, apex::amp::Amp* amp, std::shared_ptr<Classifier> holder,
-              const Dataset& test, c10::Device device, int64_t batch) {
+Eval evaluate(std::shared_ptr<Classifier>& model, apex::amp::Amp* amp, const Dataset& test,
+              c10::Device device, int64_t batch) {
   const at::NoGradGuard no_grad;
-  model.eval();
+  model->eval();
   double loss = 0;
   int64_t correct = 0;
   const int64_t n = test.size();
@@ -256,11 +238,11 @@ Eval evaluate(Classifier& model, apex::amp::Amp* amp, std::shared_ptr<Classifier
     const int64_t e = std::min(n, i + batch);
     const at::Tensor x = test.inputs.slice(0, i, e).to(device);
     const at::Tensor y = test.labels.slice(0, i, e).to(device);
-    const at::Tensor logits = (amp ? amp->forward(holder, x) : holder->forward(x)).to(at::kFloat);
+    const at::Tensor logits = (amp ? amp->forward(model, x) : model->forward(x)).to(at::kFloat);
     loss += at::cross_entropy_loss(logits, y, {}, at::Reduction::Sum).item<double>();
     correct += logits.argmax(1).eq(y).sum().item<int64_t>();
   }
-  model.train();
+  model->train();
   return {loss / static_cast<double>(std::max<int64_t>(n, 1)),
           static_cast<double>(correct) / static_cast<double>(std::max<int64_t>(n, 1))};
 }
@@ -450,7 +432,7 @@ Summary train(const TrainOptions& o, const Split& data) {
     throw;
   }
   progress.finish();
-  const Eval e = evaluate(*model, ampp, model, data.test, o.device, 256);
+  const Eval e = evaluate(model, ampp, data.test, o.device, 256);
   s.steps = total - start;
   s.samples = s.steps * per_step;
   s.train_seconds = train_seconds;
