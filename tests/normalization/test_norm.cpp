@@ -116,7 +116,9 @@ TEST(FusedNorm, RMSNormMatchesReferenceFp32) {
 TEST(FusedNorm, HalfDtypes) {
   for (auto dtype : {at::kBFloat16, at::kHalf}) {
     for (bool rms : {false, true}) {
-      for (const Case& c : {Case{{32, 16}, 1}, Case{{64, 1024}, 1}, Case{{3, 7, 64}, 1}}) {
+      // 1000 columns: the wide-row kernels with a tail that is not a whole vector.
+      for (const Case& c :
+           {Case{{32, 16}, 1}, Case{{64, 1024}, 1}, Case{{8, 1000}, 1}, Case{{3, 7, 64}, 1}}) {
         for (bool mem : {false, true}) check(c, dtype, true, rms, false, mem);
       }
     }
@@ -286,25 +288,37 @@ TEST(FusedNorm, ModulesTrainAndMatchFunctional) {
 
 // Mixed variants: bf16/fp16 input, fp32 parameters, fp32 output; gradients in each tensor's dtype.
 TEST(FusedNorm, MixedVariantsOutputParameterDtype) {
+  // 96 columns take the short-row kernels, 1000 the wide ones (with a partial last vector);
+  // memory_efficient recomputes x_hat from the fp32 output for a half dx.
   for (auto dtype : {at::kBFloat16, at::kHalf}) {
     for (bool rms : {false, true}) {
-      auto gen = at::detail::createCPUGenerator(3);
-      auto x = at::randn({48, 96}, gen).to(dtype).set_requires_grad(true);
-      auto w = (at::randn({96}, gen) * 0.5 + 1.0).set_requires_grad(true);
-      auto b = rms ? at::Tensor() : (at::randn({96}, gen) * 0.1).set_requires_grad(true);
-      auto y = rms ? apex::normalization::mixed_fused_rms_norm(x, {96}, w)
-                   : apex::normalization::mixed_fused_layer_norm(x, {96}, w, b);
-      ASSERT_EQ(y.scalar_type(), at::kFloat);
-      const auto dy = at::randn({48, 96}, gen);
-      y.backward(dy);
-      const auto ref = reference(x, w, b, dy, {96}, 1e-5, rms);
-      // The input is exactly representable in fp32, so the forward is fp32-accurate.
-      EXPECT_TRUE(all_close(y, ref[0], {1e-5, 1e-5})) << dtype << " rms " << rms;
-      EXPECT_EQ(x.grad().scalar_type(), dtype);
-      EXPECT_TRUE(
-          all_close(x.grad(), ref[1], {tolerance_for(dtype).rtol, 4 * tolerance_for(dtype).rtol}));
-      EXPECT_EQ(w.grad().scalar_type(), at::kFloat);
-      EXPECT_TRUE(all_close(w.grad(), ref[2], {1e-5, 1e-4}));
+      for (int64_t cols : {96, 1000}) {
+        for (bool mem : {false, true}) {
+          auto gen = at::detail::createCPUGenerator(3);
+          auto x = at::randn({48, cols}, gen).to(dtype).set_requires_grad(true);
+          auto w = ((mem ? at::rand({cols}, gen) + 0.5 : at::randn({cols}, gen) * 0.5 + 1.0))
+                       .set_requires_grad(true);
+          auto b = rms ? at::Tensor() : (at::randn({cols}, gen) * 0.1).set_requires_grad(true);
+          auto y = rms ? apex::normalization::mixed_fused_rms_norm(x, {cols}, w, 1e-5, mem)
+                       : apex::normalization::mixed_fused_layer_norm(x, {cols}, w, b, 1e-5, mem);
+          ASSERT_EQ(y.scalar_type(), at::kFloat);
+          const auto dy = at::randn({48, cols}, gen);
+          y.backward(dy);
+          const auto ref = reference(x, w, b, dy, {cols}, 1e-5, rms);
+          const std::string what = std::string(c10::toString(dtype)) + " rms " +
+                                   std::to_string(rms) + " cols " + std::to_string(cols) +
+                                   " memory_efficient " + std::to_string(mem);
+          // The input is exactly representable in fp32, so the forward is fp32-accurate.
+          EXPECT_TRUE(all_close(y, ref[0], {1e-5, 1e-5})) << what;
+          EXPECT_EQ(x.grad().scalar_type(), dtype);
+          EXPECT_TRUE(all_close(x.grad(), ref[1],
+                                {tolerance_for(dtype).rtol, 4 * tolerance_for(dtype).rtol}))
+              << what;
+          EXPECT_EQ(w.grad().scalar_type(), at::kFloat);
+          // memory_efficient's x_hat = (y - b) / w loses a few fp32 ulps.
+          EXPECT_TRUE(all_close(w.grad(), ref[2], {mem ? 1e-4 : 1e-5, 1e-4})) << what;
+        }
+      }
     }
   }
   apex::normalization::MixedFusedLayerNorm m(apex::normalization::FusedNormOptions({16}));

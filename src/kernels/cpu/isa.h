@@ -34,10 +34,11 @@ struct NovoGradChunk {
   bool reg_inside_moment;
 };
 
-/// Distance in floats between the per-row scratch regions of the norm kernels: a little over a
-/// row, so that equal offsets in different regions do not share their low 12 address bits
-/// (loads after stores to such addresses stall on 4K aliasing).
-inline int64_t norm_scratch_stride(int64_t cols) { return cols + 48; }
+/// Distance in floats between the per-row scratch regions of the norm kernels: the row rounded up
+/// to whole cache lines plus three lines, so that every region starts on a line (a vector load
+/// that straddles two lines costs two) and equal offsets in different regions do not share their
+/// low 12 address bits (loads after stores to such addresses stall on 4K aliasing).
+inline int64_t norm_scratch_stride(int64_t cols) { return (cols + 15) / 16 * 16 + 48; }
 
 /// One row of the norm backward. x_hat comes from the input (src = x: (x - mean) * rstd) or, with
 /// from_output, from the forward output (src = y: (y - b) / w). w and b are fp32 [cols] and always
@@ -83,6 +84,8 @@ struct IsaTable {
                            float* rstd);
   /// One row of the backward (see NormRowBackward).
   void (*norm_backward_row)(const NormRowBackward& row);
+  /// dst[i] += src[i] in fp64 (the norm backward's dw/db partials into their block sums).
+  void (*add_to_double)(const float* src, double* dst, int64_t n);
 };
 
 /// The table of the widest instruction set this CPU has (APEX_CPU_ISA may force a narrower one).

@@ -81,13 +81,15 @@ void bf16_to_float(const uint16_t* __restrict src, float* __restrict dst, int64_
 }
 
 // Round to nearest even, NaN to the canonical quiet NaN (c10::BFloat16's rounding).
+inline uint16_t bf16_round(float f) {
+  const uint32_t u = bits_of(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+  return static_cast<uint16_t>(nan ? 0x7fc0u : rounded);
+}
+
 void float_to_bf16(const float* __restrict src, uint16_t* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = bits_of(src[i]);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
-    dst[i] = static_cast<uint16_t>(nan ? 0x7fc0u : rounded);
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_round(src[i]);
 }
 
 // Returns a pointer to n fp32 values of src: src itself for fp32 storage, else buf filled.
@@ -414,11 +416,44 @@ void novograd_chunk(const Span& s, const NovoGradChunk& a) {
 }
 
 // ---- normalization rows ---------------------------------------------------------------------
+//
+// The row kernels are templates over the storage of each row: float, or uint16_t holding bf16
+// bits, which are widened and rounded in registers (a bf16 row is never copied into an fp32 row).
+// fp16 rows are converted into an fp32 scratch row first and take the float path.
+
+// Sixteen fp32 lanes as one value (GCC's vector extension: one AVX-512 register, two AVX2 or four
+// SSE ones). The row reductions are written on it rather than left to the auto-vectorizer, which
+// vectorized some of them across the outer loop (strided lanes: twice as slow on short rows).
+typedef float Lanes __attribute__((vector_size(64)));
+typedef uint32_t Lanes32 __attribute__((vector_size(64)));
+typedef uint16_t Lanes16 __attribute__((vector_size(32)));
+constexpr int kVec = 16;
 
 // Row reductions keep kLanes independent fp32 partial sums (four vector registers on AVX-512,
 // eight on AVX2), so the adds pipeline instead of waiting on one register; the partials are
 // combined by a pairwise tree in a fixed order.
 constexpr int kLanes = 64;
+
+inline float get(const float* p, int64_t i) { return p[i]; }
+inline float get(const uint16_t* p, int64_t i) {
+  return float_of(static_cast<uint32_t>(p[i]) << 16);
+}
+inline void put(float* p, int64_t i, float v) { p[i] = v; }
+inline void put(uint16_t* p, int64_t i, float v) { p[i] = bf16_round(v); }
+
+inline Lanes get_lanes(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline Lanes get_lanes(const uint16_t* p) {
+  Lanes16 h;
+  std::memcpy(&h, p, sizeof h);
+  const Lanes32 u = __builtin_convertvector(h, Lanes32) << 16;
+  Lanes v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
 
 // Pairwise tree over the partials (halves added element-wise, so it vectorizes); fixed order.
 // Each level has a compile-time width, so the whole tree unrolls into a few vector adds.
@@ -432,41 +467,43 @@ __attribute__((always_inline)) inline float combine_tree(float* acc) {
   }
 }
 
-template <int N>
-__attribute__((always_inline)) inline float combine(float (&acc)[N]) {
-  return combine_tree<N>(acc);
+// The V registers of partials, pairwise, then their 16 lanes.
+template <int V>
+__attribute__((always_inline)) inline float combine(Lanes (&acc)[V]) {
+  for (int half = V / 2; half >= 1; half /= 2) {
+    for (int j = 0; j < half; ++j) acc[j] += acc[j + half];
+  }
+  float lanes[kVec];
+  std::memcpy(lanes, &acc[0], sizeof lanes);
+  return combine_tree<kVec>(lanes);
 }
 
-// Sum of (x - c)^2 with L partials (c = 0: the plain sum of squares; kSquare false: sum of x).
-template <int L, bool kSquare>
-float lane_reduce(const float* __restrict x, int64_t n, float c) {
-  float acc[L] = {};
+// Sum of (x - c)^2 with V registers of partials (c = 0: the plain sum of squares; kSquare
+// false: the sum of x).
+template <int V, bool kSquare, class T>
+float lane_reduce(const T* __restrict x, int64_t n, float c) {
+  Lanes acc[V] = {};
   int64_t i = 0;
-  for (; i + L <= n; i += L) {
-    for (int j = 0; j < L; ++j) {
-      const float d = x[i + j] - c;
-      acc[j] += kSquare ? d * d : x[i + j];
+  for (; i + V * kVec <= n; i += V * kVec) {
+    for (int v = 0; v < V; ++v) {
+      const Lanes xv = get_lanes(x + i + v * kVec);
+      const Lanes d = xv - c;
+      acc[v] += kSquare ? d * d : xv;
     }
   }
+  float tail = 0.0f;
   for (; i < n; ++i) {
-    const float d = x[i] - c;
-    acc[i % L] += kSquare ? d * d : x[i];
+    const float d = get(x, i) - c;
+    tail += kSquare ? d * d : get(x, i);
   }
-  return combine(acc);
+  return combine(acc) + tail;
 }
 
-// Short rows take 16 partials: the tree over 64 would cost more than the row.
-template <bool kSquare>
-float row_reduce(const float* __restrict x, int64_t n, float c) {
-  return n >= 4 * kLanes ? lane_reduce<kLanes, kSquare>(x, n, c)
-                         : lane_reduce<16, kSquare>(x, n, c);
-}
-
-float lane_sum(const float* __restrict x, int64_t n) { return row_reduce<false>(x, n, 0.0f); }
-
-// Sum of (x - c)^2: the second pass of a two-pass variance (stable for any mean).
-float lane_centered_sumsq(const float* __restrict x, int64_t n, float c) {
-  return row_reduce<true>(x, n, c);
+// Short rows take one register of partials: the tree over four would cost more than the row.
+template <bool kSquare, class T>
+float row_reduce(const T* __restrict x, int64_t n, float c) {
+  return n >= 4 * kLanes ? lane_reduce<kLanes / kVec, kSquare>(x, n, c)
+                         : lane_reduce<1, kSquare>(x, n, c);
 }
 
 void to_float_values(const void* src, DType t, float* dst, int64_t n) {
@@ -474,114 +511,183 @@ void to_float_values(const void* src, DType t, float* dst, int64_t n) {
   if (p != dst) std::memcpy(dst, p, static_cast<size_t>(n) * sizeof(float));
 }
 
+// Calls fn with the row as const float* (fp32, or fp16 converted into buf) or as
+// const uint16_t* (bf16, converted in registers by the kernels).
+template <class Fn>
+void with_row(const void* row, DType t, float* buf, int64_t n, Fn&& fn) {
+  switch (t) {
+    case DType::kFloat32:
+      fn(static_cast<const float*>(row));
+      return;
+    case DType::kBFloat16:
+      fn(static_cast<const uint16_t*>(row));
+      return;
+    case DType::kFloat16:
+      half_to_float(static_cast<const uint16_t*>(row), buf, n);
+      fn(static_cast<const float*>(buf));
+      return;
+  }
+}
+
 // Rows are contiguous: ask for the next row while this one is worked on in L1, so that memory is
-// busy during the passes that do not read it (worth ~10 % with two threads; prefetches never
-// fault, so the row after the last one is harmless).
+// busy during the passes that do not read it (worth ~10 % to the forward with two threads;
+// prefetches never fault, so the row after the last one is harmless). The backward's first pass
+// streams its two rows with the hardware prefetchers, which a burst of software prefetches
+// only disturbed for rows of 256 and more.
 void prefetch_next_row(const void* row, DType t, int64_t cols) {
   const int64_t row_bytes = cols * dtype_size(t);
   const char* next = static_cast<const char*>(row) + row_bytes;
   for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off);
 }
 
+// y = (x - mean) * rstd [* w] [+ b] over n elements.
+template <class TX, class TY>
+void norm_output(const TX* __restrict x, const float* __restrict w, const float* __restrict b,
+                 TY* __restrict y, int64_t n, float mean, float rstd) {
+  if (w != nullptr && b != nullptr) {
+    for (int64_t i = 0; i < n; ++i) put(y, i, (get(x, i) - mean) * rstd * w[i] + b[i]);
+  } else if (w != nullptr) {
+    for (int64_t i = 0; i < n; ++i) put(y, i, (get(x, i) - mean) * rstd * w[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) put(y, i, (get(x, i) - mean) * rstd);
+  }
+}
+
 void norm_forward_row(const void* x, DType t, const float* w, const float* b, void* y, DType yt,
                       int64_t cols, bool rms, float eps, float* scratch, float* mean_out,
                       float* rstd_out) {
-  const float* xf = load(t, const_cast<void*>(x), scratch, cols);
   prefetch_next_row(x, t, cols);
-  const float inv_n = 1.0f / static_cast<float>(cols);
-  const float mean = rms ? 0.0f : lane_sum(xf, cols) * inv_n;
-  const float var = lane_centered_sumsq(xf, cols, mean) * inv_n;
-  const float rstd = 1.0f / __builtin_sqrtf(var + eps);
-  // fp32 outputs are written in place; half outputs tile by tile through an L1 buffer, so that a
-  // long row does not need a second row-sized fp32 buffer.
-  float* const tile = scratch + norm_scratch_stride(cols);
-  for (int64_t i0 = 0; i0 < cols; i0 += kTile) {
-    const int64_t n = std::min<int64_t>(kTile, cols - i0);
-    float* __restrict out = yt == DType::kFloat32 ? static_cast<float*>(y) + i0 : tile;
-    const float* __restrict in = xf + i0;
-    if (w != nullptr && b != nullptr) {
-      for (int64_t i = 0; i < n; ++i) out[i] = (in[i] - mean) * rstd * w[i0 + i] + b[i0 + i];
-    } else if (w != nullptr) {
-      for (int64_t i = 0; i < n; ++i) out[i] = (in[i] - mean) * rstd * w[i0 + i];
-    } else {
-      for (int64_t i = 0; i < n; ++i) out[i] = (in[i] - mean) * rstd;
+  with_row(x, t, scratch, cols, [&](const auto* xr) {
+    const float inv_n = 1.0f / static_cast<float>(cols);
+    const float mean = rms ? 0.0f : row_reduce<false>(xr, cols, 0.0f) * inv_n;
+    const float var = row_reduce<true>(xr, cols, mean) * inv_n;
+    const float rstd = 1.0f / __builtin_sqrtf(var + eps);
+    switch (yt) {
+      case DType::kFloat32:
+        norm_output(xr, w, b, static_cast<float*>(y), cols, mean, rstd);
+        break;
+      case DType::kBFloat16:
+        norm_output(xr, w, b, static_cast<uint16_t*>(y), cols, mean, rstd);
+        break;
+      case DType::kFloat16: {
+        // Tile by tile through an L1 buffer, so that a long row needs no second fp32 row.
+        float* const tile = scratch + norm_scratch_stride(cols);
+        for (int64_t i0 = 0; i0 < cols; i0 += kTile) {
+          const int64_t n = std::min<int64_t>(kTile, cols - i0);
+          norm_output(xr + i0, w == nullptr ? nullptr : w + i0, b == nullptr ? nullptr : b + i0,
+                      tile, n, mean, rstd);
+          float_to_half(tile, static_cast<uint16_t*>(y) + i0, n);
+        }
+        break;
+      }
     }
-    if (yt != DType::kFloat32) store(yt, out, at(y, yt, i0), n);
-  }
-  if (mean_out != nullptr) *mean_out = mean;
-  *rstd_out = rstd;
+    if (mean_out != nullptr) *mean_out = mean;
+    *rstd_out = rstd;
+  });
 }
 
-// x_hat of element i of a backward row: from the input, or (kFromOutput) from the output y.
-template <bool kFromOutput>
-inline float x_hat(const NormRowBackward& r, const float* __restrict src, int64_t i) {
+// x_hat of element i of a backward row: from the input ((x - mean) * rstd), or (kFromOutput)
+// from the output y ((y - b) / w).
+template <bool kFromOutput, class TS>
+inline float x_hat(const TS* __restrict src, const float* __restrict w, const float* __restrict b,
+                   float mean, float rstd, int64_t i) {
   if constexpr (kFromOutput) {
-    return (src[i] - r.b[i]) / r.w[i];
+    return (get(src, i) - b[i]) / w[i];
   } else {
-    return (src[i] - r.mean) * r.rstd;
+    return (get(src, i) - mean) * rstd;
+  }
+}
+template <bool kFromOutput, class TS>
+inline Lanes x_hat_lanes(const TS* __restrict src, const float* __restrict w,
+                         const float* __restrict b, float mean, float rstd, int64_t i) {
+  if constexpr (kFromOutput) {
+    return (get_lanes(src + i) - get_lanes(b + i)) / get_lanes(w + i);
+  } else {
+    return (get_lanes(src + i) - mean) * rstd;
   }
 }
 
-// One backward row in three passes over src (x or y) and dy; only the first comes from memory,
-// the others find the row in L1. Nothing row-sized is stored besides dx and the dw/db partials,
-// which keeps the working set small.
-template <bool kFromOutput, int kHalf>
-void norm_backward_rows(const NormRowBackward& r, const float* __restrict src,
-                        const float* __restrict dy) {
+// One backward row in two passes over src (x or y) and dy. The first reads the row from memory
+// and only loads: sum(g) and sum(g * x_hat), g = dy * w, in V registers of partials each. The
+// second finds the row in cache and writes dx and adds dy * x_hat and dy to the dw/db partials.
+template <bool kFromOutput, int V, class TS, class TD, class TO>
+void norm_backward_rows(const NormRowBackward& r, const TS* __restrict src, const TD* __restrict dy,
+                        TO* __restrict out) {
   const int64_t cols = r.cols;
   const float* __restrict w = r.w;
-  {  // 1: weight/bias gradient partials.
-    float* __restrict dw = r.dw_part;
-    float* __restrict db = r.db_part;
-    for (int64_t i = 0; i < cols; ++i) {
-      dw[i] += dy[i] * x_hat<kFromOutput>(r, src, i);
-      db[i] += dy[i];
-    }
-  }
-  // 2: sum(g) and sum(g * x_hat), g = dy * w, with kHalf partials each (in registers).
-  float acc_g[kHalf] = {};
-  float acc_gx[kHalf] = {};
+  const float* __restrict b = r.b;
+  const float mean = r.mean;
+  const float rstd = r.rstd;
+  Lanes acc_g[V] = {};
+  Lanes acc_gx[V] = {};
   int64_t i = 0;
-  for (; i + kHalf <= cols; i += kHalf) {
-    for (int j = 0; j < kHalf; ++j) {
-      const float g = dy[i + j] * w[i + j];
-      acc_g[j] += g;
-      acc_gx[j] += g * x_hat<kFromOutput>(r, src, i + j);
+  for (; i + V * kVec <= cols; i += V * kVec) {
+    for (int v = 0; v < V; ++v) {
+      const int64_t k = i + v * kVec;
+      const Lanes g = get_lanes(dy + k) * get_lanes(w + k);
+      acc_g[v] += g;
+      acc_gx[v] += g * x_hat_lanes<kFromOutput>(src, w, b, mean, rstd, k);
     }
   }
+  float tail_g = 0.0f;
+  float tail_gx = 0.0f;
   for (; i < cols; ++i) {
-    const float g = dy[i] * w[i];
-    acc_g[0] += g;
-    acc_gx[0] += g * x_hat<kFromOutput>(r, src, i);
+    const float g = get(dy, i) * w[i];
+    tail_g += g;
+    tail_gx += g * x_hat<kFromOutput>(src, w, b, mean, rstd, i);
   }
   const float inv_n = 1.0f / static_cast<float>(cols);
-  const float c_x = combine(acc_gx) * inv_n;
-  const float c_0 = r.rms ? 0.0f : combine(acc_g) * inv_n;
-  // 3: dx.
-  float* __restrict out = r.dx_dtype == DType::kFloat32 ? static_cast<float*>(r.dx)
-                                                        : r.scratch + 2 * norm_scratch_stride(cols);
-  const float rstd = r.rstd;
+  const float c_x = (combine(acc_gx) + tail_gx) * inv_n;
+  const float c_0 = r.rms ? 0.0f : (combine(acc_g) + tail_g) * inv_n;
+  float* __restrict dw = r.dw_part;
+  float* __restrict db = r.db_part;
   for (int64_t k = 0; k < cols; ++k) {
-    out[k] = rstd * (dy[k] * w[k] - c_0 - x_hat<kFromOutput>(r, src, k) * c_x);
+    const float d = get(dy, k);
+    const float xh = x_hat<kFromOutput>(src, w, b, mean, rstd, k);
+    put(out, k, rstd * (d * w[k] - c_0 - xh * c_x));
+    dw[k] += d * xh;
+    db[k] += d;
   }
-  store(r.dx_dtype, out, r.dx, cols);
+}
+
+template <bool kFromOutput, int V>
+void norm_backward_dispatch(const NormRowBackward& r) {
+  const int64_t stride = norm_scratch_stride(r.cols);
+  with_row(r.dy, r.dy_dtype, r.scratch + stride, r.cols, [&](const auto* dy) {
+    with_row(r.src, r.src_dtype, r.scratch, r.cols, [&](const auto* src) {
+      switch (r.dx_dtype) {
+        case DType::kFloat32:
+          norm_backward_rows<kFromOutput, V>(r, src, dy, static_cast<float*>(r.dx));
+          return;
+        case DType::kBFloat16:
+          norm_backward_rows<kFromOutput, V>(r, src, dy, static_cast<uint16_t*>(r.dx));
+          return;
+        case DType::kFloat16: {
+          float* const tmp = r.scratch + 2 * stride;
+          norm_backward_rows<kFromOutput, V>(r, src, dy, tmp);
+          float_to_half(tmp, static_cast<uint16_t*>(r.dx), r.cols);
+          return;
+        }
+      }
+    });
+  });
 }
 
 void norm_backward_row(const NormRowBackward& r) {
+  // Short rows take one register of partials per sum: the trees over two cost more than such
+  // a row; they also want the next row asked for early.
+  if (r.cols >= 4 * kLanes) {
+    r.from_output ? norm_backward_dispatch<true, kLanes / kVec / 2>(r)
+                  : norm_backward_dispatch<false, kLanes / kVec / 2>(r);
+    return;
+  }
   prefetch_next_row(r.src, r.src_dtype, r.cols);
   prefetch_next_row(r.dy, r.dy_dtype, r.cols);
-  const int64_t stride = norm_scratch_stride(r.cols);
-  const float* src = load(r.src_dtype, const_cast<void*>(r.src), r.scratch, r.cols);
-  const float* dy = load(r.dy_dtype, const_cast<void*>(r.dy), r.scratch + stride, r.cols);
-  // Short rows take 16 partials per sum: the trees over 32 cost more than such a row.
-  const bool wide = r.cols >= 4 * kLanes;
-  if (r.from_output) {
-    wide ? norm_backward_rows<true, kLanes / 2>(r, src, dy)
-         : norm_backward_rows<true, 16>(r, src, dy);
-  } else {
-    wide ? norm_backward_rows<false, kLanes / 2>(r, src, dy)
-         : norm_backward_rows<false, 16>(r, src, dy);
-  }
+  r.from_output ? norm_backward_dispatch<true, 1>(r) : norm_backward_dispatch<false, 1>(r);
+}
+
+void add_to_double(const float* __restrict src, double* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] += static_cast<double>(src[i]);
 }
 
 #define APEX_STR_(x) #x
@@ -591,6 +697,7 @@ const IsaTable kTable = {
     APEX_STR(APEX_CPU_ISA), scale_chunk,    axpby_chunk,     non_finite_chunk, sumsq_chunk,
     absmax_chunk,           adam_chunk,     sgd_chunk,       adagrad_chunk,    lamb_stage1_chunk,
     lamb_stage2_chunk,      novograd_chunk, to_float_values, norm_forward_row, norm_backward_row,
+    add_to_double,
 };
 
 }  // namespace
