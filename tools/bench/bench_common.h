@@ -29,6 +29,10 @@ struct Config {
 std::vector<double> interleaved_ms(const Config& cfg,
                                    const std::vector<std::function<void()>>& fns);
 
+/// The same measurement, every run kept: runs[k][i] is function k's time (ms) in round i.
+std::vector<std::vector<double>> interleaved_runs(const Config& cfg,
+                                                  const std::vector<std::function<void()>>& fns);
+
 /// One table row: our time, the peer's, bytes moved by ours.
 struct Row {
   std::string group;  // e.g. "resnet50"
@@ -53,8 +57,34 @@ struct StreamLoop {
   at::Tensor p_, g_, m_, v_;
 };
 
+/// The streaming limit for a norm's traffic: its output is a fresh array whose lines the CPU reads
+/// before writing them (write-allocate), as in STREAM's Copy and Add, so the limit loops have that
+/// shape (the in-place StreamLoop above would credit the norm with traffic it cannot avoid).
+/// copy(): read one array, write another (a norm forward); add(): read two, write a third (a norm
+/// backward). `bytes` per array; the rates count each array once, read or written.
+struct FreshWriteStream {
+  FreshWriteStream(const Config& cfg, int64_t bytes);
+  void copy();
+  void add();
+  double copy_bytes() const { return 2.0 * static_cast<double>(n_) * 4.0; }
+  double add_bytes() const { return 3.0 * static_cast<double>(n_) * 4.0; }
+
+ private:
+  Config cfg_;
+  int64_t n_;  // fp32 elements per array
+  at::Tensor a_, b_, c_;
+};
+
+/// A row from interleaved runs of {ours, peer, limit loop}. Besides the medians it records
+/// paired statistics, taken round by round and then their median: extra["speedup"] (peer / ours)
+/// and extra["of_limit"] (our GB/s over the limit's in the same round). Pairing cancels most of
+/// the bandwidth drift of a shared machine, which moves whole rounds together.
+Row paired_row(const std::string& group, const std::string& name, double bytes, double limit_bytes,
+               const std::vector<std::vector<double>>& runs);
+
 /// Prints the table and writes the JSON file: {"area", "device", "threads", "cpu_isa",
-/// "rows": [...]}. Each row's limit is its extra["stream_gbs"], measured alongside it.
+/// "rows": [...]}. Each row's limit is its extra["stream_gbs"], measured alongside it; the speed-up
+/// and the fraction of the limit are the paired ones where the row has them.
 void report(const Config& cfg, const std::string& area, const std::vector<Row>& rows);
 
 /// True when `name` passes cfg.only.

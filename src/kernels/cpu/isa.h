@@ -79,9 +79,10 @@ struct IsaTable {
   /// n values of src (stored as t) as fp32 into dst.
   void (*to_float)(const void* src, DType t, float* dst, int64_t n);
   /// One row of LayerNorm/RMSNorm forward. w, b: fp32 [cols] or null. scratch: 2 regions.
+  /// prefetch: ask for the next row while this one is worked on.
   void (*norm_forward_row)(const void* x, DType t, const float* w, const float* b, void* y,
                            DType yt, int64_t cols, bool rms, float eps, float* scratch, float* mean,
-                           float* rstd);
+                           float* rstd, bool prefetch);
   /// One row of the backward (see NormRowBackward).
   void (*norm_backward_row)(const NormRowBackward& row);
   /// dst[i] += src[i] in fp64 (the norm backward's dw/db partials into their block sums).

@@ -530,10 +530,10 @@ void with_row(const void* row, DType t, float* buf, int64_t n, Fn&& fn) {
 }
 
 // Rows are contiguous: ask for the next row while this one is worked on in L1, so that memory is
-// busy during the passes that do not read it (worth ~10 % to the forward with two threads;
-// prefetches never fault, so the row after the last one is harmless). The backward's first pass
-// streams its two rows with the hardware prefetchers, which a burst of software prefetches
-// only disturbed for rows of 256 and more.
+// busy during the passes that do not read it (prefetches never fault, so the row after the last
+// one is harmless). The forward does it when its input comes from memory (see norm_cpu.cpp);
+// the backward's first pass streams its two rows with the hardware prefetchers, which a burst
+// of software prefetches only disturbed for rows of 256 and more.
 void prefetch_next_row(const void* row, DType t, int64_t cols) {
   const int64_t row_bytes = cols * dtype_size(t);
   const char* next = static_cast<const char*>(row) + row_bytes;
@@ -555,8 +555,8 @@ void norm_output(const TX* __restrict x, const float* __restrict w, const float*
 
 void norm_forward_row(const void* x, DType t, const float* w, const float* b, void* y, DType yt,
                       int64_t cols, bool rms, float eps, float* scratch, float* mean_out,
-                      float* rstd_out) {
-  prefetch_next_row(x, t, cols);
+                      float* rstd_out, bool prefetch) {
+  if (prefetch) prefetch_next_row(x, t, cols);
   with_row(x, t, scratch, cols, [&](const auto* xr) {
     const float inv_n = 1.0f / static_cast<float>(cols);
     const float mean = rms ? 0.0f : row_reduce<false>(xr, cols, 0.0f) * inv_n;

@@ -52,6 +52,10 @@ void norm_forward(const NormForwardArgs& a) {
   const Floats b = to_float(a.b, a.w_dtype, a.cols);
   const int64_t elem = dtype_size(a.x_dtype);
   const int64_t y_elem = dtype_size(a.y_dtype);
+  // Prefetching the next row pays when the input streams from memory: ~10 % at 32 MB and more
+  // with two threads on the development VM. Below that the input is largely in the last-level
+  // cache and the burst of prefetches only got in the way (12-16 MB inputs ran 15-30 % slower).
+  const bool prefetch = a.rows * a.cols * elem >= (int64_t{32} << 20);
   at::parallel_for(0, a.rows, 1, [&](int64_t begin, int64_t end) {
     Floats scratch(static_cast<size_t>(2 * norm_scratch_stride(a.cols)));
     for (int64_t r = begin; r < end; ++r) {
@@ -59,7 +63,7 @@ void norm_forward(const NormForwardArgs& a) {
                                w.empty() ? nullptr : w.data(), b.empty() ? nullptr : b.data(),
                                static_cast<char*>(a.y) + r * a.cols * y_elem, a.y_dtype, a.cols,
                                a.rms, a.eps, scratch.data(), a.rms ? nullptr : a.mean + r,
-                               a.rstd + r);
+                               a.rstd + r, prefetch);
     }
   });
 }
