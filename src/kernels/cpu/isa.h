@@ -6,6 +6,7 @@
 #pragma once
 
 #include "kernels/multi_tensor.h"
+#include "kernels/norm.h"
 
 namespace apex::kernels::cpu {
 
@@ -40,27 +41,16 @@ struct NovoGradChunk {
 /// low 12 address bits (loads after stores to such addresses stall on 4K aliasing).
 inline int64_t norm_scratch_stride(int64_t cols) { return (cols + 15) / 16 * 16 + 48; }
 
-/// One row of the norm backward. x_hat comes from the input (src = x: (x - mean) * rstd) or, with
-/// from_output, from the forward output (src = y: (y - b) / w). w and b are fp32 [cols] and always
-/// set (ones / zeros when the norm has none). dy * x_hat and dy are added to the fp32 partials
-/// dw_part / db_part [cols].
-struct NormRowBackward {
-  const void* dy;
-  DType dy_dtype;
-  const void* src;
-  DType src_dtype;
-  bool from_output;
-  const float* w;
-  const float* b;
-  float mean;
-  float rstd;
-  void* dx;
-  DType dx_dtype;
-  int64_t cols;
-  bool rms;
-  float* scratch;  ///< 4 regions of norm_scratch_stride(cols) floats
-  float* dw_part;
-  float* db_part;
+/// A block of rows of the norm backward: rows [begin, end), with fp32 dw/db partials over groups
+/// of rows added into the block's fp64 sums.
+struct NormBackwardBlock {
+  int64_t begin = 0;
+  int64_t end = 0;
+  const float* w = nullptr;  ///< fp32 [cols]: ones when the norm has none
+  const float* b = nullptr;  ///< fp32 [cols]: zeros when absent (read only from the output)
+  float* scratch = nullptr;  ///< 5 regions of norm_scratch_stride(cols) floats
+  double* dw_sum = nullptr;  ///< fp64 [cols] this block adds to; null: dw/db not wanted
+  double* db_sum = nullptr;
 };
 
 struct IsaTable {
@@ -78,15 +68,13 @@ struct IsaTable {
   void (*novograd)(const Span&, const NovoGradChunk&);
   /// n values of src (stored as t) as fp32 into dst.
   void (*to_float)(const void* src, DType t, float* dst, int64_t n);
-  /// One row of LayerNorm/RMSNorm forward. w, b: fp32 [cols] or null. scratch: 2 regions.
-  /// prefetch: ask for the next row while this one is worked on.
-  void (*norm_forward_row)(const void* x, DType t, const float* w, const float* b, void* y,
-                           DType yt, int64_t cols, bool rms, float eps, float* scratch, float* mean,
-                           float* rstd, bool prefetch);
-  /// One row of the backward (see NormRowBackward).
-  void (*norm_backward_row)(const NormRowBackward& row);
-  /// dst[i] += src[i] in fp64 (the norm backward's dw/db partials into their block sums).
-  void (*add_to_double)(const float* src, double* dst, int64_t n);
+  /// Rows [begin, end) of a LayerNorm/RMSNorm forward (see NormForwardArgs). w, b: fp32 copies
+  /// [cols] or null. scratch: 2 regions of norm_scratch_stride(cols) floats. prefetch: ask for
+  /// the next row while this one is worked on.
+  void (*norm_forward_rows)(const NormForwardArgs& a, int64_t begin, int64_t end, const float* w,
+                            const float* b, float* scratch, bool prefetch);
+  /// A block of rows of the backward (see NormBackwardArgs, NormBackwardBlock).
+  void (*norm_backward_block)(const NormBackwardArgs& a, const NormBackwardBlock& block);
 };
 
 /// The table of the widest instruction set this CPU has (APEX_CPU_ISA may force a narrower one).

@@ -3,6 +3,7 @@
 // is converted tile by tile into L1-resident fp32 buffers, so one math loop serves every dtype.
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cpu/isa.h"
 
@@ -511,24 +512,6 @@ void to_float_values(const void* src, DType t, float* dst, int64_t n) {
   if (p != dst) std::memcpy(dst, p, static_cast<size_t>(n) * sizeof(float));
 }
 
-// Calls fn with the row as const float* (fp32, or fp16 converted into buf) or as
-// const uint16_t* (bf16, converted in registers by the kernels).
-template <class Fn>
-void with_row(const void* row, DType t, float* buf, int64_t n, Fn&& fn) {
-  switch (t) {
-    case DType::kFloat32:
-      fn(static_cast<const float*>(row));
-      return;
-    case DType::kBFloat16:
-      fn(static_cast<const uint16_t*>(row));
-      return;
-    case DType::kFloat16:
-      half_to_float(static_cast<const uint16_t*>(row), buf, n);
-      fn(static_cast<const float*>(buf));
-      return;
-  }
-}
-
 // Rows are contiguous: ask for the next row while this one is worked on in L1, so that memory is
 // busy during the passes that do not read it (prefetches never fault, so the row after the last
 // one is harmless). The forward does it when its input comes from memory (see norm_cpu.cpp);
@@ -553,37 +536,86 @@ void norm_output(const TX* __restrict x, const float* __restrict w, const float*
   }
 }
 
-void norm_forward_row(const void* x, DType t, const float* w, const float* b, void* y, DType yt,
-                      int64_t cols, bool rms, float eps, float* scratch, float* mean_out,
-                      float* rstd_out, bool prefetch) {
-  if (prefetch) prefetch_next_row(x, t, cols);
-  with_row(x, t, scratch, cols, [&](const auto* xr) {
-    const float inv_n = 1.0f / static_cast<float>(cols);
-    const float mean = rms ? 0.0f : row_reduce<false>(xr, cols, 0.0f) * inv_n;
+// Storage tags of a row: float, uint16_t (bf16 bits) or Half (fp16 bits, converted through an
+// fp32 row).
+struct Half {};
+template <class S>
+using stored_t = std::conditional_t<std::is_same_v<S, Half>, uint16_t, S>;
+
+// The row as the kernels read it: in place for fp32 and bf16, converted into buf for fp16.
+template <class S>
+inline auto row_view(const stored_t<S>* row, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<S, Half>) {
+    half_to_float(row, buf, n);
+    return static_cast<const float*>(buf);
+  } else {
+    return row;
+  }
+}
+
+template <class S>
+constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<S, float>) return DType::kFloat32;
+  if constexpr (std::is_same_v<S, uint16_t>) return DType::kBFloat16;
+  return DType::kFloat16;
+}
+
+// Rows [begin, end) of a forward. The loop over rows lives here, with every storage dispatch
+// hoisted out of it, so that short rows cost no indirect call each and one row's reduction trees
+// can overlap the next row's loads.
+template <class XS, class YS>
+void forward_rows(const NormForwardArgs& a, int64_t begin, int64_t end, const float* w,
+                  const float* b, float* scratch, bool prefetch) {
+  const int64_t cols = a.cols;
+  const float inv_n = 1.0f / static_cast<float>(cols);
+  for (int64_t r = begin; r < end; ++r) {
+    const stored_t<XS>* xs = static_cast<const stored_t<XS>*>(a.x) + r * cols;
+    stored_t<YS>* ys = static_cast<stored_t<YS>*>(a.y) + r * cols;
+    if (prefetch) prefetch_next_row(xs, dtype_of<XS>(), cols);
+    const auto* xr = row_view<XS>(xs, scratch, cols);
+    const float mean = a.rms ? 0.0f : row_reduce<false>(xr, cols, 0.0f) * inv_n;
     const float var = row_reduce<true>(xr, cols, mean) * inv_n;
-    const float rstd = 1.0f / __builtin_sqrtf(var + eps);
-    switch (yt) {
-      case DType::kFloat32:
-        norm_output(xr, w, b, static_cast<float*>(y), cols, mean, rstd);
-        break;
-      case DType::kBFloat16:
-        norm_output(xr, w, b, static_cast<uint16_t*>(y), cols, mean, rstd);
-        break;
-      case DType::kFloat16: {
-        // Tile by tile through an L1 buffer, so that a long row needs no second fp32 row.
-        float* const tile = scratch + norm_scratch_stride(cols);
-        for (int64_t i0 = 0; i0 < cols; i0 += kTile) {
-          const int64_t n = std::min<int64_t>(kTile, cols - i0);
-          norm_output(xr + i0, w == nullptr ? nullptr : w + i0, b == nullptr ? nullptr : b + i0,
-                      tile, n, mean, rstd);
-          float_to_half(tile, static_cast<uint16_t*>(y) + i0, n);
-        }
-        break;
+    const float rstd = 1.0f / __builtin_sqrtf(var + a.eps);
+    if constexpr (std::is_same_v<YS, Half>) {
+      // Tile by tile through an L1 buffer, so that a long row needs no second fp32 row.
+      float* const tile = scratch + norm_scratch_stride(cols);
+      for (int64_t i0 = 0; i0 < cols; i0 += kTile) {
+        const int64_t n = std::min<int64_t>(kTile, cols - i0);
+        norm_output(xr + i0, w == nullptr ? nullptr : w + i0, b == nullptr ? nullptr : b + i0, tile,
+                    n, mean, rstd);
+        float_to_half(tile, ys + i0, n);
       }
+    } else {
+      norm_output(xr, w, b, ys, cols, mean, rstd);
     }
-    if (mean_out != nullptr) *mean_out = mean;
-    *rstd_out = rstd;
-  });
+    if (!a.rms) a.mean[r] = mean;
+    a.rstd[r] = rstd;
+  }
+}
+
+template <class XS>
+void forward_rows_to(const NormForwardArgs& a, int64_t begin, int64_t end, const float* w,
+                     const float* b, float* scratch, bool prefetch) {
+  switch (a.y_dtype) {
+    case DType::kFloat32:
+      return forward_rows<XS, float>(a, begin, end, w, b, scratch, prefetch);
+    case DType::kBFloat16:
+      return forward_rows<XS, uint16_t>(a, begin, end, w, b, scratch, prefetch);
+    case DType::kFloat16:
+      return forward_rows<XS, Half>(a, begin, end, w, b, scratch, prefetch);
+  }
+}
+
+void norm_forward_rows(const NormForwardArgs& a, int64_t begin, int64_t end, const float* w,
+                       const float* b, float* scratch, bool prefetch) {
+  switch (a.x_dtype) {
+    case DType::kFloat32:
+      return forward_rows_to<float>(a, begin, end, w, b, scratch, prefetch);
+    case DType::kBFloat16:
+      return forward_rows_to<uint16_t>(a, begin, end, w, b, scratch, prefetch);
+    case DType::kFloat16:
+      return forward_rows_to<Half>(a, begin, end, w, b, scratch, prefetch);
+  }
 }
 
 // x_hat of element i of a backward row: from the input ((x - mean) * rstd), or (kFromOutput)
@@ -607,12 +639,24 @@ inline Lanes x_hat_lanes(const TS* __restrict src, const float* __restrict w,
   }
 }
 
+// Everything one row of the backward needs besides its three rows.
+struct BackwardRow {
+  int64_t cols;
+  bool rms;
+  const float* w;  // fp32 [cols]: ones when the norm has none
+  const float* b;  // fp32 [cols]: zeros when absent (read only from the output)
+  float mean;
+  float rstd;
+  float* dw_part;  // fp32 partials [cols]
+  float* db_part;
+};
+
 // One backward row in two passes over src (x or y) and dy. The first reads the row from memory
 // and only loads: sum(g) and sum(g * x_hat), g = dy * w, in V registers of partials each. The
 // second finds the row in cache and writes dx and adds dy * x_hat and dy to the dw/db partials.
 template <bool kFromOutput, int V, class TS, class TD, class TO>
-void norm_backward_rows(const NormRowBackward& r, const TS* __restrict src, const TD* __restrict dy,
-                        TO* __restrict out) {
+inline void norm_backward_row(const BackwardRow& r, const TS* __restrict src,
+                              const TD* __restrict dy, TO* __restrict out) {
   const int64_t cols = r.cols;
   const float* __restrict w = r.w;
   const float* __restrict b = r.b;
@@ -650,54 +694,100 @@ void norm_backward_rows(const NormRowBackward& r, const TS* __restrict src, cons
   }
 }
 
-template <bool kFromOutput, int V>
-void norm_backward_dispatch(const NormRowBackward& r) {
-  const int64_t stride = norm_scratch_stride(r.cols);
-  with_row(r.dy, r.dy_dtype, r.scratch + stride, r.cols, [&](const auto* dy) {
-    with_row(r.src, r.src_dtype, r.scratch, r.cols, [&](const auto* src) {
-      switch (r.dx_dtype) {
-        case DType::kFloat32:
-          norm_backward_rows<kFromOutput, V>(r, src, dy, static_cast<float*>(r.dx));
-          return;
-        case DType::kBFloat16:
-          norm_backward_rows<kFromOutput, V>(r, src, dy, static_cast<uint16_t*>(r.dx));
-          return;
-        case DType::kFloat16: {
-          float* const tmp = r.scratch + 2 * stride;
-          norm_backward_rows<kFromOutput, V>(r, src, dy, tmp);
-          float_to_half(tmp, static_cast<uint16_t*>(r.dx), r.cols);
-          return;
-        }
-      }
-    });
-  });
-}
-
-void norm_backward_row(const NormRowBackward& r) {
-  // Short rows take one register of partials per sum: the trees over two cost more than such
-  // a row; they also want the next row asked for early.
-  if (r.cols >= 4 * kLanes) {
-    r.from_output ? norm_backward_dispatch<true, kLanes / kVec / 2>(r)
-                  : norm_backward_dispatch<false, kLanes / kVec / 2>(r);
-    return;
-  }
-  prefetch_next_row(r.src, r.src_dtype, r.cols);
-  prefetch_next_row(r.dy, r.dy_dtype, r.cols);
-  r.from_output ? norm_backward_dispatch<true, 1>(r) : norm_backward_dispatch<false, 1>(r);
-}
-
 void add_to_double(const float* __restrict src, double* __restrict dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] += static_cast<double>(src[i]);
+}
+
+// Rows per group of fp32 dw/db partials before they are added into the block's fp64 sums.
+constexpr int64_t kNormGroup = 64;
+
+// A block of backward rows: the loop over rows lives here with every storage dispatch hoisted
+// out of it (see forward_rows). src is x, or y when kFromOutput; its storage is dx's (x) or dy's
+// (y). Short rows (V = 1) also ask for the next rows early.
+template <bool kFromOutput, int V, class DS, class OS>
+void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
+  using SS = std::conditional_t<kFromOutput, DS, OS>;
+  const int64_t cols = a.cols;
+  const int64_t stride = norm_scratch_stride(cols);
+  BackwardRow row{
+      cols, a.rms, blk.w, blk.b, 0.0f, 0.0f, blk.scratch + 3 * stride, blk.scratch + 4 * stride};
+  const void* src_base = kFromOutput ? a.y : a.x;
+  auto flush = [&] {
+    if (blk.dw_sum == nullptr) return;
+    add_to_double(row.dw_part, blk.dw_sum, cols);
+    add_to_double(row.db_part, blk.db_sum, cols);
+  };
+  for (int64_t r = blk.begin; r < blk.end; ++r) {
+    if ((r - blk.begin) % kNormGroup == 0) {
+      if (r != blk.begin) flush();
+      std::fill(row.dw_part, row.dw_part + cols, 0.0f);
+      std::fill(row.db_part, row.db_part + cols, 0.0f);
+    }
+    const stored_t<SS>* src = static_cast<const stored_t<SS>*>(src_base) + r * cols;
+    const stored_t<DS>* dy = static_cast<const stored_t<DS>*>(a.dy) + r * cols;
+    stored_t<OS>* dx = static_cast<stored_t<OS>*>(a.dx) + r * cols;
+    if constexpr (V == 1) {
+      prefetch_next_row(src, dtype_of<SS>(), cols);
+      prefetch_next_row(dy, dtype_of<DS>(), cols);
+    }
+    row.mean = a.rms || kFromOutput ? 0.0f : a.mean[r];
+    row.rstd = a.rstd[r];
+    const auto* src_row = row_view<SS>(src, blk.scratch, cols);
+    const auto* dy_row = row_view<DS>(dy, blk.scratch + stride, cols);
+    if constexpr (std::is_same_v<OS, Half>) {
+      float* const tmp = blk.scratch + 2 * stride;
+      norm_backward_row<kFromOutput, V>(row, src_row, dy_row, tmp);
+      float_to_half(tmp, dx, cols);
+    } else {
+      norm_backward_row<kFromOutput, V>(row, src_row, dy_row, dx);
+    }
+  }
+  if (blk.end > blk.begin) flush();
+}
+
+template <bool kFromOutput, int V, class DS>
+void backward_block_to(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
+  switch (a.x_dtype) {
+    case DType::kFloat32:
+      return backward_block<kFromOutput, V, DS, float>(a, blk);
+    case DType::kBFloat16:
+      return backward_block<kFromOutput, V, DS, uint16_t>(a, blk);
+    case DType::kFloat16:
+      return backward_block<kFromOutput, V, DS, Half>(a, blk);
+  }
+}
+
+template <bool kFromOutput, int V>
+void backward_block_from(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
+  switch (a.dy_dtype) {
+    case DType::kFloat32:
+      return backward_block_to<kFromOutput, V, float>(a, blk);
+    case DType::kBFloat16:
+      return backward_block_to<kFromOutput, V, uint16_t>(a, blk);
+    case DType::kFloat16:
+      return backward_block_to<kFromOutput, V, Half>(a, blk);
+  }
+}
+
+void norm_backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
+  // Short rows take one register of partials per sum: the trees over two cost more than such
+  // a row.
+  const bool from_output = a.y != nullptr;
+  if (a.cols >= 4 * kLanes) {
+    from_output ? backward_block_from<true, kLanes / kVec / 2>(a, blk)
+                : backward_block_from<false, kLanes / kVec / 2>(a, blk);
+  } else {
+    from_output ? backward_block_from<true, 1>(a, blk) : backward_block_from<false, 1>(a, blk);
+  }
 }
 
 #define APEX_STR_(x) #x
 #define APEX_STR(x) APEX_STR_(x)
 
 const IsaTable kTable = {
-    APEX_STR(APEX_CPU_ISA), scale_chunk,    axpby_chunk,     non_finite_chunk, sumsq_chunk,
-    absmax_chunk,           adam_chunk,     sgd_chunk,       adagrad_chunk,    lamb_stage1_chunk,
-    lamb_stage2_chunk,      novograd_chunk, to_float_values, norm_forward_row, norm_backward_row,
-    add_to_double,
+    APEX_STR(APEX_CPU_ISA), scale_chunk,    axpby_chunk,     non_finite_chunk,  sumsq_chunk,
+    absmax_chunk,           adam_chunk,     sgd_chunk,       adagrad_chunk,     lamb_stage1_chunk,
+    lamb_stage2_chunk,      novograd_chunk, to_float_values, norm_forward_rows, norm_backward_block,
 };
 
 }  // namespace

@@ -51,20 +51,14 @@ void norm_forward(const NormForwardArgs& a) {
   const Floats w = to_float(a.w, a.w_dtype, a.cols);
   const Floats b = to_float(a.b, a.w_dtype, a.cols);
   const int64_t elem = dtype_size(a.x_dtype);
-  const int64_t y_elem = dtype_size(a.y_dtype);
   // Prefetching the next row pays when the input streams from memory: ~10 % at 32 MB and more
   // with two threads on the development VM. Below that the input is largely in the last-level
   // cache and the burst of prefetches only got in the way (12-16 MB inputs ran 15-30 % slower).
   const bool prefetch = a.rows * a.cols * elem >= (int64_t{32} << 20);
   at::parallel_for(0, a.rows, 1, [&](int64_t begin, int64_t end) {
     Floats scratch(static_cast<size_t>(2 * norm_scratch_stride(a.cols)));
-    for (int64_t r = begin; r < end; ++r) {
-      table().norm_forward_row(static_cast<const char*>(a.x) + r * a.cols * elem, a.x_dtype,
-                               w.empty() ? nullptr : w.data(), b.empty() ? nullptr : b.data(),
-                               static_cast<char*>(a.y) + r * a.cols * y_elem, a.y_dtype, a.cols,
-                               a.rms, a.eps, scratch.data(), a.rms ? nullptr : a.mean + r,
-                               a.rstd + r, prefetch);
-    }
+    table().norm_forward_rows(a, begin, end, w.empty() ? nullptr : w.data(),
+                              b.empty() ? nullptr : b.data(), scratch.data(), prefetch);
   });
 }
 
@@ -75,14 +69,9 @@ void norm_backward(const NormBackwardArgs& a) {
   // The row kernel always multiplies by w (and subtracts b when from the output).
   if (w.empty()) w.assign(static_cast<size_t>(a.cols), 1.0f);
   if (b.empty()) b.assign(static_cast<size_t>(a.cols), 0.0f);
-  const void* src = from_output ? a.y : a.x;
-  const DType src_dtype = from_output ? a.dy_dtype : a.x_dtype;
-  const int64_t src_elem = dtype_size(src_dtype);
-  const int64_t dx_elem = dtype_size(a.x_dtype);
-  const int64_t dy_elem = dtype_size(a.dy_dtype);
-  // Fixed blocks of rows, each with its own fp64 sums of dw/db; inside a block, fp32 partials
-  // over groups of kGroup rows are added into them. The result does not depend on threads.
-  constexpr int64_t kGroup = 64;
+  // Fixed blocks of rows, each with its own fp64 sums of dw/db (the row kernels add fp32
+  // partials over groups of rows into them), combined in order at the end: the result does not
+  // depend on the thread count.
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(a.rows, 32));
   const int64_t per_block = (a.rows + blocks - 1) / blocks;
   const size_t cols = static_cast<size_t>(a.cols);
@@ -91,44 +80,17 @@ void norm_backward(const NormBackwardArgs& a) {
   Doubles dw_sum(want ? static_cast<size_t>(blocks) * sum_stride : 0, 0.0);
   Doubles db_sum(want ? static_cast<size_t>(blocks) * sum_stride : 0, 0.0);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    const auto stride = static_cast<size_t>(norm_scratch_stride(a.cols));
-    Floats scratch(6 * stride);
-    NormRowBackward row{};
-    row.dy_dtype = a.dy_dtype;
-    row.src_dtype = src_dtype;
-    row.from_output = from_output;
-    row.w = w.data();
-    row.b = b.data();
-    row.dx_dtype = a.x_dtype;
-    row.cols = a.cols;
-    row.rms = a.rms;
-    row.scratch = scratch.data();
-    row.dw_part = scratch.data() + 4 * stride;
-    row.db_part = scratch.data() + 5 * stride;
-    auto flush = [&](int64_t blk) {
-      if (!want) return;
-      table().add_to_double(row.dw_part, dw_sum.data() + static_cast<size_t>(blk) * sum_stride,
-                            a.cols);
-      table().add_to_double(row.db_part, db_sum.data() + static_cast<size_t>(blk) * sum_stride,
-                            a.cols);
-    };
+    Floats scratch(5 * static_cast<size_t>(norm_scratch_stride(a.cols)));
     for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t r_begin = blk * per_block;
-      const int64_t r_end = std::min(a.rows, (blk + 1) * per_block);
-      for (int64_t r = r_begin; r < r_end; ++r) {
-        if ((r - r_begin) % kGroup == 0) {
-          if (r != r_begin) flush(blk);
-          std::fill(row.dw_part, row.dw_part + cols, 0.0f);
-          std::fill(row.db_part, row.db_part + cols, 0.0f);
-        }
-        row.dy = static_cast<const char*>(a.dy) + r * a.cols * dy_elem;
-        row.src = static_cast<const char*>(src) + r * a.cols * src_elem;
-        row.mean = a.rms || from_output ? 0.0f : a.mean[r];
-        row.rstd = a.rstd[r];
-        row.dx = static_cast<char*>(a.dx) + r * a.cols * dx_elem;
-        table().norm_backward_row(row);
-      }
-      if (r_end > r_begin) flush(blk);
+      NormBackwardBlock block;
+      block.begin = blk * per_block;
+      block.end = std::min(a.rows, (blk + 1) * per_block);
+      block.w = w.data();
+      block.b = b.data();
+      block.scratch = scratch.data();
+      block.dw_sum = want ? dw_sum.data() + static_cast<size_t>(blk) * sum_stride : nullptr;
+      block.db_sum = want ? db_sum.data() + static_cast<size_t>(blk) * sum_stride : nullptr;
+      table().norm_backward_block(a, block);
     }
   });
   for (size_t c = 0; c < cols && want; ++c) {
