@@ -125,6 +125,32 @@ TEST(FusedNorm, HalfDtypes) {
   }
 }
 
+// LayerNorm with a bias and no weight (allowed, as in at::layer_norm): the bias is added, and
+// memory_efficient recomputes x_hat = y - b. 976 columns: the scratch stride that used to be
+// exactly 4 KiB.
+TEST(FusedNorm, LayerNormBiasWithoutWeight) {
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    for (int64_t cols : {16, 976}) {
+      for (bool mem : {false, true}) {
+        auto gen = at::detail::createCPUGenerator(11);
+        auto x = at::randn({8, cols}, gen).to(dtype).set_requires_grad(true);
+        auto b = (at::randn({cols}, gen) * 0.5).to(dtype).set_requires_grad(true);
+        auto y = fused_layer_norm(x, {cols}, at::Tensor(), b, 1e-5, mem);
+        const auto dy = at::randn({8, cols}, gen).to(dtype);
+        y.backward(dy);
+        const auto ref = reference(x, at::Tensor(), b, dy, {cols}, 1e-5, false);
+        const Tolerance tol = tolerance_for(dtype);
+        const std::string what = std::string(c10::toString(dtype)) + " cols " +
+                                 std::to_string(cols) + " memory_efficient " + std::to_string(mem);
+        EXPECT_TRUE(all_close(y, ref[0], tol)) << what;
+        EXPECT_TRUE(all_close(x.grad(), ref[1], {tol.rtol, std::max(tol.atol, 4 * tol.rtol)}))
+            << what;
+        EXPECT_TRUE(all_close(b.grad(), ref[3], {tol.rtol, tol.rtol * 4 * std::sqrt(8.0)})) << what;
+      }
+    }
+  }
+}
+
 TEST(FusedNorm, NonContiguousInput) {
   for (bool rms : {false, true}) {
     for (bool mem : {false, true}) check({{16, 64}, 1}, at::kFloat, true, rms, true, mem);

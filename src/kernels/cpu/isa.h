@@ -37,9 +37,15 @@ struct NovoGradChunk {
 
 /// Distance in floats between the per-row scratch regions of the norm kernels: the row rounded up
 /// to whole cache lines plus three lines, so that every region starts on a line (a vector load
-/// that straddles two lines costs two) and equal offsets in different regions do not share their
-/// low 12 address bits (loads after stores to such addresses stall on 4K aliasing).
-inline int64_t norm_scratch_stride(int64_t cols) { return (cols + 15) / 16 * 16 + 48; }
+/// that straddles two lines costs two), and never a multiple of 16 lines, so that equal offsets
+/// in any two of the (at most five) regions do not share their low 12 address bits (loads after
+/// stores to such addresses stall on 4K aliasing): k * lines is a multiple of 64 for some k <= 4
+/// only when lines is a multiple of 16.
+inline int64_t norm_scratch_stride(int64_t cols) {
+  int64_t lines = (cols + 15) / 16 + 3;
+  if (lines % 16 == 0) ++lines;
+  return lines * 16;
+}
 
 /// A block of rows of the norm backward: rows [begin, end), with fp32 dw/db partials over groups
 /// of rows added into the block's fp64 sums.

@@ -523,7 +523,7 @@ void prefetch_next_row(const void* row, DType t, int64_t cols) {
   for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off);
 }
 
-// y = (x - mean) * rstd [* w] [+ b] over n elements.
+// y = (x - mean) * rstd [* w] [+ b] over n elements (either of w and b may be absent).
 template <class TX, class TY>
 void norm_output(const TX* __restrict x, const float* __restrict w, const float* __restrict b,
                  TY* __restrict y, int64_t n, float mean, float rstd) {
@@ -531,6 +531,8 @@ void norm_output(const TX* __restrict x, const float* __restrict w, const float*
     for (int64_t i = 0; i < n; ++i) put(y, i, (get(x, i) - mean) * rstd * w[i] + b[i]);
   } else if (w != nullptr) {
     for (int64_t i = 0; i < n; ++i) put(y, i, (get(x, i) - mean) * rstd * w[i]);
+  } else if (b != nullptr) {
+    for (int64_t i = 0; i < n; ++i) put(y, i, (get(x, i) - mean) * rstd + b[i]);
   } else {
     for (int64_t i = 0; i < n; ++i) put(y, i, (get(x, i) - mean) * rstd);
   }
