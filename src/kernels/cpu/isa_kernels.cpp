@@ -519,8 +519,12 @@ void to_float_values(const void* src, DType t, float* dst, int64_t n) {
 // of software prefetches only disturbed for rows of 256 and more.
 void prefetch_next_row(const void* row, DType t, int64_t cols) {
   const int64_t row_bytes = cols * dtype_size(t);
-  const char* next = static_cast<const char*>(row) + row_bytes;
-  for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off);
+  // Integer arithmetic: after the last row the addresses lie past the tensor, where forming a
+  // pointer would be undefined (a prefetch of them is not).
+  const uintptr_t next = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(row_bytes);
+  for (int64_t off = 0; off < row_bytes; off += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(next + static_cast<uintptr_t>(off)));
+  }
 }
 
 // y = (x - mean) * rstd [* w] [+ b] over n elements (either of w and b may be absent).
