@@ -77,8 +77,11 @@ void float_to_half(const float* __restrict src, uint16_t* __restrict dst, int64_
   }
 }
 
+// bf16 bits are the high half of the fp32 bits.
+inline float bf16_bits_to_float(uint16_t h) { return float_of(static_cast<uint32_t>(h) << 16); }
+
 void bf16_to_float(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = float_of(static_cast<uint32_t>(src[i]) << 16);
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_float(src[i]);
 }
 
 // Round to nearest even, NaN to the canonical quiet NaN (c10::BFloat16's rounding).
@@ -436,9 +439,7 @@ constexpr int kVec = 16;
 constexpr int kLanes = 64;
 
 inline float get(const float* p, int64_t i) { return p[i]; }
-inline float get(const uint16_t* p, int64_t i) {
-  return float_of(static_cast<uint32_t>(p[i]) << 16);
-}
+inline float get(const uint16_t* p, int64_t i) { return bf16_bits_to_float(p[i]); }
 inline void put(float* p, int64_t i, float v) { p[i] = v; }
 inline void put(uint16_t* p, int64_t i, float v) { p[i] = bf16_round(v); }
 
@@ -548,6 +549,20 @@ struct Half {};
 template <class S>
 using stored_t = std::conditional_t<std::is_same_v<S, Half>, uint16_t, S>;
 
+// Calls f with a value of the storage tag of t (float{}, uint16_t{} or Half{}): the one place a
+// row's DType becomes a template argument.
+template <class F>
+void with_storage(DType t, F&& f) {
+  switch (t) {
+    case DType::kFloat32:
+      return f(float{});
+    case DType::kBFloat16:
+      return f(uint16_t{});
+    case DType::kFloat16:
+      return f(Half{});
+  }
+}
+
 // The row as the kernels read it: in place for fp32 and bf16, converted into buf for fp16.
 template <class S>
 inline auto row_view(const stored_t<S>* row, float* buf, int64_t n) {
@@ -599,29 +614,13 @@ void forward_rows(const NormForwardArgs& a, int64_t begin, int64_t end, const fl
   }
 }
 
-template <class XS>
-void forward_rows_to(const NormForwardArgs& a, int64_t begin, int64_t end, const float* w,
-                     const float* b, float* scratch, bool prefetch) {
-  switch (a.y_dtype) {
-    case DType::kFloat32:
-      return forward_rows<XS, float>(a, begin, end, w, b, scratch, prefetch);
-    case DType::kBFloat16:
-      return forward_rows<XS, uint16_t>(a, begin, end, w, b, scratch, prefetch);
-    case DType::kFloat16:
-      return forward_rows<XS, Half>(a, begin, end, w, b, scratch, prefetch);
-  }
-}
-
 void norm_forward_rows(const NormForwardArgs& a, int64_t begin, int64_t end, const float* w,
                        const float* b, float* scratch, bool prefetch) {
-  switch (a.x_dtype) {
-    case DType::kFloat32:
-      return forward_rows_to<float>(a, begin, end, w, b, scratch, prefetch);
-    case DType::kBFloat16:
-      return forward_rows_to<uint16_t>(a, begin, end, w, b, scratch, prefetch);
-    case DType::kFloat16:
-      return forward_rows_to<Half>(a, begin, end, w, b, scratch, prefetch);
-  }
+  with_storage(a.x_dtype, [&](auto xs) {
+    with_storage(a.y_dtype, [&](auto ys) {
+      forward_rows<decltype(xs), decltype(ys)>(a, begin, end, w, b, scratch, prefetch);
+    });
+  });
 }
 
 // x_hat of element i of a backward row: from the input ((x - mean) * rstd), or (kFromOutput)
@@ -751,40 +750,24 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
   if (blk.end > blk.begin) flush();
 }
 
-template <bool kFromOutput, int V, class DS>
-void backward_block_to(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
-  switch (a.x_dtype) {
-    case DType::kFloat32:
-      return backward_block<kFromOutput, V, DS, float>(a, blk);
-    case DType::kBFloat16:
-      return backward_block<kFromOutput, V, DS, uint16_t>(a, blk);
-    case DType::kFloat16:
-      return backward_block<kFromOutput, V, DS, Half>(a, blk);
-  }
-}
-
-template <bool kFromOutput, int V>
-void backward_block_from(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
-  switch (a.dy_dtype) {
-    case DType::kFloat32:
-      return backward_block_to<kFromOutput, V, float>(a, blk);
-    case DType::kBFloat16:
-      return backward_block_to<kFromOutput, V, uint16_t>(a, blk);
-    case DType::kFloat16:
-      return backward_block_to<kFromOutput, V, Half>(a, blk);
-  }
-}
-
 void norm_backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
-  // Short rows take one register of partials per sum: the trees over two cost more than such
-  // a row.
-  const bool from_output = a.y != nullptr;
-  if (a.cols >= 4 * kLanes) {
-    from_output ? backward_block_from<true, kLanes / kVec / 2>(a, blk)
-                : backward_block_from<false, kLanes / kVec / 2>(a, blk);
-  } else {
-    from_output ? backward_block_from<true, 1>(a, blk) : backward_block_from<false, 1>(a, blk);
-  }
+  with_storage(a.dy_dtype, [&](auto ds) {
+    with_storage(a.x_dtype, [&](auto os) {
+      using DS = decltype(ds);
+      using OS = decltype(os);
+      // Short rows take one register of partials per sum: the trees over two cost more than
+      // such a row.
+      constexpr int kWide = kLanes / kVec / 2;
+      const bool from_output = a.y != nullptr;
+      if (a.cols >= 4 * kLanes) {
+        from_output ? backward_block<true, kWide, DS, OS>(a, blk)
+                    : backward_block<false, kWide, DS, OS>(a, blk);
+      } else {
+        from_output ? backward_block<true, 1, DS, OS>(a, blk)
+                    : backward_block<false, 1, DS, OS>(a, blk);
+      }
+    });
+  });
 }
 
 #define APEX_STR_(x) #x
