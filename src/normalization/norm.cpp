@@ -86,6 +86,99 @@ std::array<at::Tensor, 3> backward_f64(const at::Tensor& xh, const at::Tensor& d
           want_b ? dy2.sum({0}) : at::Tensor()};
 }
 
+bool is_f64(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  const auto f64 = [](const at::Tensor& t) {
+    return t.defined() && t.scalar_type() == at::kDouble;
+  };
+  return f64(x) || f64(w) || f64(b);
+}
+
+// The mixed variants return the parameters' dtype (apex's MixedFused* definition).
+at::ScalarType output_dtype(const at::Tensor& x, const at::Tensor& weight, Flags f) {
+  return f.mixed ? weight.scalar_type() : x.scalar_type();
+}
+
+// What the forward computes: y and the statistics the backward needs ({y, mean (LayerNorm),
+// rstd}). x, w, b are contiguous; absent w/b undefined.
+std::array<at::Tensor, 3> norm_forward(const at::Tensor& x, const at::Tensor& w,
+                                       const at::Tensor& b, const Geometry& g, double eps, Flags f,
+                                       at::ScalarType out_dtype) {
+  const char* who = op_name(f.rms);
+  if (is_f64(x, w, b)) {
+    auto [y64, mean64, rstd64] = forward_f64(x, w, b, g, eps, f.rms);
+    return {y64.to(out_dtype).view(x.sizes()), mean64, rstd64};
+  }
+  at::Tensor y = at::empty_like(x, x.options().dtype(out_dtype), at::MemoryFormat::Contiguous);
+  const auto stat_opts = x.options().dtype(at::kFloat);
+  at::Tensor mean = f.rms ? at::Tensor() : at::empty({g.rows}, stat_opts);
+  at::Tensor rstd = at::empty({g.rows}, stat_opts);
+  kernels::NormForwardArgs a;
+  a.rows = g.rows;
+  a.cols = g.cols;
+  a.rms = f.rms;
+  a.eps = static_cast<float>(eps);
+  a.x_dtype = optim::detail::kernel_dtype(x, who);
+  a.y_dtype = optim::detail::kernel_dtype(y, who);
+  if (w.defined()) a.w_dtype = optim::detail::kernel_dtype(w, who);
+  if (b.defined()) a.w_dtype = optim::detail::kernel_dtype(b, who);
+  TORCH_CHECK(!w.defined() || !b.defined() || w.scalar_type() == b.scalar_type(), who,
+              ": weight and bias must have the same dtype, got ", w.scalar_type(), " and ",
+              b.scalar_type());
+  a.x = x.data_ptr();
+  a.w = w.defined() ? w.data_ptr() : nullptr;
+  a.b = b.defined() ? b.data_ptr() : nullptr;
+  a.y = y.data_ptr();
+  a.mean = f.rms ? nullptr : mean.data_ptr<float>();
+  a.rstd = rstd.data_ptr<float>();
+  if (g.rows > 0 && g.cols > 0) {
+    if (x.is_cuda()) {
+      const c10::DeviceGuard guard(x.device());
+      kernels::cuda::norm_forward(a, optim::detail::cuda_stream(x.device()));
+    } else {
+      kernels::cpu::norm_forward(a);
+    }
+  }
+  return {y, mean, rstd};
+}
+
+// What the backward needs besides the saved tensors, kept as one saved_data entry (each entry
+// is a hashed string key: nine of them cost about as much as a small norm's kernel).
+struct Meta {
+  bool rms;
+  bool memory_efficient;
+  bool f64;
+  bool has_bias;
+  int64_t rows;
+  int64_t cols;
+  at::ScalarType x_dtype;
+  at::ScalarType bias_dtype;
+  std::vector<int64_t> shape;
+
+  std::vector<int64_t> encode() const {
+    std::vector<int64_t> v = {rms,
+                              memory_efficient,
+                              f64,
+                              has_bias,
+                              rows,
+                              cols,
+                              static_cast<int64_t>(x_dtype),
+                              static_cast<int64_t>(bias_dtype)};
+    v.insert(v.end(), shape.begin(), shape.end());
+    return v;
+  }
+  static Meta decode(const std::vector<int64_t>& v) {
+    return {v[0] != 0,
+            v[1] != 0,
+            v[2] != 0,
+            v[3] != 0,
+            v[4],
+            v[5],
+            static_cast<at::ScalarType>(v[6]),
+            static_cast<at::ScalarType>(v[7]),
+            std::vector<int64_t>(v.begin() + 8, v.end())};
+  }
+};
+
 struct NormFunction : public torch::autograd::Function<NormFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
                             const at::Tensor& bias, Geometry g, double eps, Flags f) {
@@ -93,52 +186,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     const at::Tensor x = input.contiguous();
     const at::Tensor w = weight.numel() > 0 ? weight.contiguous() : at::Tensor();
     const at::Tensor b = bias.numel() > 0 ? bias.contiguous() : at::Tensor();
-    const char* who = op_name(f.rms);
-    // The mixed variants return the parameters' dtype (apex's MixedFused* definition).
-    const auto out_dtype = f.mixed ? weight.scalar_type() : x.scalar_type();
-    const bool f64 = x.scalar_type() == at::kDouble ||
-                     (w.defined() && w.scalar_type() == at::kDouble) ||
-                     (b.defined() && b.scalar_type() == at::kDouble);
-    at::Tensor y;
-    at::Tensor mean;
-    at::Tensor rstd;
-    if (f64) {
-      auto [y64, mean64, rstd64] = forward_f64(x, w, b, g, eps, f.rms);
-      y = y64.to(out_dtype).view(x.sizes());
-      mean = mean64;
-      rstd = rstd64;
-    } else {
-      y = at::empty_like(x, x.options().dtype(out_dtype), at::MemoryFormat::Contiguous);
-      const auto stat_opts = x.options().dtype(at::kFloat);
-      mean = f.rms ? at::Tensor() : at::empty({g.rows}, stat_opts);
-      rstd = at::empty({g.rows}, stat_opts);
-      kernels::NormForwardArgs a;
-      a.rows = g.rows;
-      a.cols = g.cols;
-      a.rms = f.rms;
-      a.eps = static_cast<float>(eps);
-      a.x_dtype = optim::detail::kernel_dtype(x, who);
-      a.y_dtype = optim::detail::kernel_dtype(y, who);
-      if (w.defined()) a.w_dtype = optim::detail::kernel_dtype(w, who);
-      if (b.defined()) a.w_dtype = optim::detail::kernel_dtype(b, who);
-      TORCH_CHECK(!w.defined() || !b.defined() || w.scalar_type() == b.scalar_type(), who,
-                  ": weight and bias must have the same dtype, got ", w.scalar_type(), " and ",
-                  b.scalar_type());
-      a.x = x.data_ptr();
-      a.w = w.defined() ? w.data_ptr() : nullptr;
-      a.b = b.defined() ? b.data_ptr() : nullptr;
-      a.y = y.data_ptr();
-      a.mean = f.rms ? nullptr : mean.data_ptr<float>();
-      a.rstd = rstd.data_ptr<float>();
-      if (g.rows > 0 && g.cols > 0) {
-        if (x.is_cuda()) {
-          const c10::DeviceGuard guard(x.device());
-          kernels::cuda::norm_forward(a, optim::detail::cuda_stream(x.device()));
-        } else {
-          kernels::cpu::norm_forward(a);
-        }
-      }
-    }
+    auto [y, mean, rstd] = norm_forward(x, w, b, g, eps, f, output_dtype(x, weight, f));
     const auto none = x.options();
     // memory_efficient keeps the output (which the next layer usually keeps anyway) instead of
     // the input, and recomputes x_hat = (y - bias) / weight in the backward.
@@ -147,16 +195,18 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     } else {
       ctx->save_for_backward({x, placeholder(w, none), placeholder(mean, none), rstd});
     }
-    ctx->saved_data["rms"] = f.rms;
-    ctx->saved_data["memory_efficient"] = f.memory_efficient;
-    ctx->saved_data["f64"] = f64;
-    ctx->saved_data["rows"] = g.rows;
-    ctx->saved_data["cols"] = g.cols;
-    ctx->saved_data["has_bias"] = b.defined();
-    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
-    ctx->saved_data["bias_dtype"] = b.defined() ? static_cast<int64_t>(b.scalar_type()) : 0;
-    ctx->saved_data["shape"] = std::vector<int64_t>(
-        x.sizes().begin() + (x.dim() - static_cast<int64_t>(g.shape_dims)), x.sizes().end());
+    const Meta meta{
+        f.rms,
+        f.memory_efficient,
+        is_f64(x, w, b),
+        b.defined(),
+        g.rows,
+        g.cols,
+        x.scalar_type(),
+        b.defined() ? b.scalar_type() : at::kFloat,
+        std::vector<int64_t>(x.sizes().begin() + (x.dim() - static_cast<int64_t>(g.shape_dims)),
+                             x.sizes().end())};
+    ctx->saved_data["meta"] = meta.encode();
     return y;
   }
 
@@ -164,14 +214,15 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     TORCH_CHECK(!at::GradMode::is_enabled(),
                 "FusedLayerNorm/FusedRMSNorm: double backward is not supported");
     const auto saved = ctx->get_saved_variables();
-    const bool rms = ctx->saved_data["rms"].toBool();
-    const bool mem_eff = ctx->saved_data["memory_efficient"].toBool();
-    const bool f64 = ctx->saved_data["f64"].toBool();
-    const int64_t rows = ctx->saved_data["rows"].toInt();
-    const int64_t cols = ctx->saved_data["cols"].toInt();
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
-    const auto shape = ctx->saved_data["shape"].toIntVector();
+    const Meta meta = Meta::decode(ctx->saved_data["meta"].toIntVector());
+    const bool rms = meta.rms;
+    const bool mem_eff = meta.memory_efficient;
+    const bool f64 = meta.f64;
+    const int64_t rows = meta.rows;
+    const int64_t cols = meta.cols;
+    const bool has_bias = meta.has_bias;
+    const auto x_dtype = meta.x_dtype;
+    const auto& shape = meta.shape;
     const at::Tensor& src = saved[0];  // x, or y when memory-efficient
     const at::Tensor w = saved[1].numel() > 0 ? saved[1] : at::Tensor();
     const at::Tensor b = mem_eff && saved[2].numel() > 0 ? saved[2] : at::Tensor();
@@ -197,9 +248,11 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
       db = r[2];
     } else {
       dx = at::empty(src.sizes(), src.options().dtype(x_dtype));
-      const auto f32 = src.options().dtype(at::kFloat);
-      dw = w.defined() ? at::empty({cols}, f32) : at::Tensor();
-      db = has_bias ? at::empty({cols}, f32) : at::Tensor();
+      // The CPU backend writes dw/db in the parameters' dtype; the CUDA one in fp32 (cast below).
+      const auto param_dtype = w.defined() ? w.scalar_type() : meta.bias_dtype;
+      const auto dwb = src.options().dtype(src.is_cuda() ? at::kFloat : param_dtype);
+      dw = w.defined() ? at::empty({cols}, dwb) : at::Tensor();
+      db = has_bias ? at::empty({cols}, dwb) : at::Tensor();
       const char* who = op_name(rms);
       kernels::NormBackwardArgs a;
       a.rows = rows;
@@ -219,8 +272,10 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
       a.mean = rms || mem_eff ? nullptr : mean.data_ptr<float>();
       a.rstd = rstd.data_ptr<float>();
       a.dx = dx.data_ptr();
-      a.dw = dw.defined() ? dw.data_ptr<float>() : nullptr;
-      a.db = db.defined() ? db.data_ptr<float>() : nullptr;
+      a.dw = dw.defined() ? dw.data_ptr() : nullptr;
+      a.db = db.defined() ? db.data_ptr() : nullptr;
+      if (dw.defined() || db.defined())
+        a.dwb_dtype = optim::detail::kernel_dtype(dw.defined() ? dw : db, who);
       if (rows > 0 && cols > 0) {
         if (src.is_cuda()) {
           const c10::DeviceGuard guard(src.device());
@@ -243,7 +298,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     }
     if (dw.defined()) dw = dw.view(shape).to(w.scalar_type());
     if (db.defined()) {
-      db = db.view(shape).to(static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt()));
+      db = db.view(shape).to(meta.bias_dtype);
     }
     return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -255,9 +310,18 @@ at::Tensor run(const char* who, const at::Tensor& input, at::IntArrayRef shape,
   TORCH_CHECK(!f.mixed || weight.defined(), who, ": the mixed-dtype variants need a weight");
   TORCH_CHECK(input.device().is_cpu() || input.device().is_cuda(), who,
               ": expected a CPU or CUDA tensor, got one on ", input.device());
-  const at::Tensor none = at::empty({0}, input.options());
-  return NormFunction::apply(input, weight.defined() ? weight : none, bias.defined() ? bias : none,
-                             g, eps, f);
+  const bool grad = at::GradMode::is_enabled() &&
+                    (input.requires_grad() || (weight.defined() && weight.requires_grad()) ||
+                     (bias.defined() && bias.requires_grad()));
+  if (!grad) {
+    // Nothing to record (inference, or no_grad): the kernels without the autograd node, its
+    // saved tensors and metadata, which cost more than the kernel itself on small inputs.
+    const at::Tensor w = weight.defined() ? weight.contiguous() : at::Tensor();
+    const at::Tensor b = bias.defined() ? bias.contiguous() : at::Tensor();
+    return norm_forward(input.contiguous(), w, b, g, eps, f, output_dtype(input, weight, f))[0];
+  }
+  const at::TensorOptions opts = input.options();
+  return NormFunction::apply(input, placeholder(weight, opts), placeholder(bias, opts), g, eps, f);
 }
 
 }  // namespace

@@ -93,8 +93,20 @@ void check(const Case& c, at::ScalarType dtype, bool affine, bool rms, bool non_
 }
 
 const std::vector<Case> kCases = {
-    {{32, 16}, 1},  {{1, 1000}, 1}, {{65536, 7}, 1}, {{5, 1}, 1},     {{3, 64}, 1},
-    {{4, 1024}, 1}, {{2, 4096}, 1}, {{2, 12288}, 1}, {{4, 9, 64}, 1}, {{3, 4, 5, 6}, 2},
+    {{32, 16}, 1},
+    {{1, 1000}, 1},
+    {{65536, 7}, 1},
+    {{5, 1}, 1},
+    {{3, 64}, 1},
+    {{4, 1024}, 1},
+    {{2, 4096}, 1},
+    {{2, 12288}, 1},
+    {{4, 9, 64}, 1},
+    {{3, 4, 5, 6}, 2},
+    // Backward partitions: 300 rows leave two of the 32 blocks empty, 3000 give blocks of 94
+    // rows (a group of 64 stored, then 30 added).
+    {{300, 40}, 1},
+    {{3000, 24}, 1},
 };
 
 TEST(FusedNorm, LayerNormMatchesReferenceFp32) {
@@ -255,6 +267,57 @@ TEST(FusedNorm, LayerNormAgreesWithATen) {
   auto b = at::randn({257});
   EXPECT_TRUE(all_close(fused_layer_norm(x, {257}, w, b), at::layer_norm(x, {257}, w, b),
                         tolerance_for(at::kFloat)));
+}
+
+// The rows are split into fixed blocks whatever the thread count, and the blocks' dw/db sums
+// combined in order: every output is bitwise the same with 1, 2 or 3 threads.
+TEST(FusedNorm, ThreadCountDoesNotChangeResults) {
+  const int threads = at::get_num_threads();
+  for (const auto& size : std::vector<std::vector<int64_t>>{{300, 40}, {8, 4096}, {3000, 24}}) {
+    auto gen = at::detail::createCPUGenerator(3);
+    const auto x0 = at::randn(size, gen);
+    const auto w0 = at::randn({size[1]}, gen);
+    const auto b0 = at::randn({size[1]}, gen);
+    const auto dy = at::randn(size, gen);
+    std::vector<std::vector<at::Tensor>> runs;
+    for (int n : {1, 2, 3}) {
+      at::set_num_threads(n);
+      auto x = x0.clone().set_requires_grad(true);
+      auto w = w0.clone().set_requires_grad(true);
+      auto b = b0.clone().set_requires_grad(true);
+      auto y = fused_layer_norm(x, {size[1]}, w, b);
+      y.backward(dy);
+      runs.push_back({y.detach(), x.grad(), w.grad(), b.grad()});
+    }
+    at::set_num_threads(threads);
+    for (size_t r = 1; r < runs.size(); ++r) {
+      for (size_t k = 0; k < 4; ++k) {
+        EXPECT_TRUE(at::equal(runs[0][k], runs[r][k]))
+            << size[0] << "x" << size[1] << " output " << k << " with " << r + 1 << " threads";
+      }
+    }
+  }
+}
+
+// Without anything to differentiate the norms skip the autograd node: same values, no grad_fn.
+// A weight that requires grad is enough for the node to be recorded.
+TEST(FusedNorm, NoGradPathMatchesTheAutogradPath) {
+  auto gen = at::detail::createCPUGenerator(5);
+  const auto x = at::randn({6, 96}, gen).to(at::kBFloat16);
+  const auto w = at::randn({96}, gen).to(at::kBFloat16);
+  const auto b = at::randn({96}, gen).to(at::kBFloat16);
+  const auto recorded = fused_layer_norm(x, {96}, w.clone().set_requires_grad(true), b);
+  ASSERT_TRUE(recorded.grad_fn() != nullptr);
+  const auto plain = fused_layer_norm(x, {96}, w, b);
+  EXPECT_TRUE(plain.grad_fn() == nullptr);
+  EXPECT_TRUE(at::equal(plain, recorded.detach()));
+  {
+    const torch::NoGradGuard no_grad;
+    const auto in_no_grad = normalization::mixed_fused_rms_norm(
+        x.set_requires_grad(false), {96}, w.to(at::kFloat).set_requires_grad(true));
+    EXPECT_TRUE(in_no_grad.grad_fn() == nullptr);
+    EXPECT_EQ(in_no_grad.scalar_type(), at::kFloat);
+  }
 }
 
 TEST(FusedNorm, BadInput) {

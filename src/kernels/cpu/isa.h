@@ -48,14 +48,15 @@ inline int64_t norm_scratch_stride(int64_t cols) {
 }
 
 /// A block of rows of the norm backward: rows [begin, end), with fp32 dw/db partials over groups
-/// of rows added into the block's fp64 sums.
+/// of rows summed into the block's fp64 sums.
 struct NormBackwardBlock {
   int64_t begin = 0;
   int64_t end = 0;
   const float* w = nullptr;  ///< fp32 [cols]: ones when the norm has none
   const float* b = nullptr;  ///< fp32 [cols]: zeros when absent (read only from the output)
   float* scratch = nullptr;  ///< 5 regions of norm_scratch_stride(cols) floats
-  double* dw_sum = nullptr;  ///< fp64 [cols] this block adds to; null: dw/db not wanted
+  double* dw_sum = nullptr;  ///< fp64 [cols]: the block's first group stores, later ones add;
+                             ///< null: dw/db not wanted
   double* db_sum = nullptr;
 };
 
@@ -74,6 +75,8 @@ struct IsaTable {
   void (*novograd)(const Span&, const NovoGradChunk&);
   /// n values of src (stored as t) as fp32 into dst.
   void (*to_float)(const void* src, DType t, float* dst, int64_t n);
+  /// n fp32 values of src into dst, stored as t (rounded to nearest even).
+  void (*from_float)(const float* src, DType t, void* dst, int64_t n);
   /// Rows [begin, end) of a LayerNorm/RMSNorm forward (see NormForwardArgs). w, b: fp32 copies
   /// [cols] or null. scratch: 2 regions of norm_scratch_stride(cols) floats. prefetch: ask for
   /// the next row while this one is worked on.

@@ -508,6 +508,8 @@ float row_reduce(const T* __restrict x, int64_t n, float c) {
                          : lane_reduce<1, kSquare>(x, n, c);
 }
 
+void from_float_values(const float* src, DType t, void* dst, int64_t n) { store(t, src, dst, n); }
+
 void to_float_values(const void* src, DType t, float* dst, int64_t n) {
   const float* p = load(t, const_cast<void*>(src), dst, n);
   if (p != dst) std::memcpy(dst, p, static_cast<size_t>(n) * sizeof(float));
@@ -699,8 +701,12 @@ inline void norm_backward_row(const BackwardRow& r, const TS* __restrict src,
   }
 }
 
-void add_to_double(const float* __restrict src, double* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] += static_cast<double>(src[i]);
+void add_to_double(const float* __restrict src, double* __restrict dst, int64_t n, bool first) {
+  if (first) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<double>(src[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] += static_cast<double>(src[i]);
+  }
 }
 
 // Rows per group of fp32 dw/db partials before they are added into the block's fp64 sums.
@@ -717,14 +723,15 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
   BackwardRow row{
       cols, a.rms, blk.w, blk.b, 0.0f, 0.0f, blk.scratch + 3 * stride, blk.scratch + 4 * stride};
   const void* src_base = kFromOutput ? a.y : a.x;
-  auto flush = [&] {
+  // The first group's partials are stored into the block's sums, later ones added.
+  auto flush = [&](bool first) {
     if (blk.dw_sum == nullptr) return;
-    add_to_double(row.dw_part, blk.dw_sum, cols);
-    add_to_double(row.db_part, blk.db_sum, cols);
+    add_to_double(row.dw_part, blk.dw_sum, cols, first);
+    add_to_double(row.db_part, blk.db_sum, cols, first);
   };
   for (int64_t r = blk.begin; r < blk.end; ++r) {
     if ((r - blk.begin) % kNormGroup == 0) {
-      if (r != blk.begin) flush();
+      if (r != blk.begin) flush(r - blk.begin == kNormGroup);
       std::fill(row.dw_part, row.dw_part + cols, 0.0f);
       std::fill(row.db_part, row.db_part + cols, 0.0f);
     }
@@ -747,7 +754,7 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
       norm_backward_row<kFromOutput, V>(row, src_row, dy_row, dx);
     }
   }
-  if (blk.end > blk.begin) flush();
+  if (blk.end > blk.begin) flush(blk.end - blk.begin <= kNormGroup);
 }
 
 void norm_backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
@@ -776,7 +783,8 @@ void norm_backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk
 const IsaTable kTable = {
     APEX_STR(APEX_CPU_ISA), scale_chunk,    axpby_chunk,     non_finite_chunk,  sumsq_chunk,
     absmax_chunk,           adam_chunk,     sgd_chunk,       adagrad_chunk,     lamb_stage1_chunk,
-    lamb_stage2_chunk,      novograd_chunk, to_float_values, norm_forward_rows, norm_backward_block,
+    lamb_stage2_chunk,      novograd_chunk, to_float_values, from_float_values, norm_forward_rows,
+    norm_backward_block,
 };
 
 }  // namespace

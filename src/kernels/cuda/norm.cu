@@ -870,6 +870,9 @@ void norm_backward(const NormBackwardArgs& args, void* stream_ptr) {
     detail::fail(kName, "mean is required for LayerNorm");
   }
   const cudaStream_t stream = as_stream(stream_ptr);
+  if ((args.dw != nullptr || args.db != nullptr) && args.dwb_dtype != DType::kFloat32) {
+    detail::fail(kName, "dw and db must be fp32");
+  }
   const bool want_w = args.dw != nullptr;
   const bool want_b = args.db != nullptr;
 
@@ -917,7 +920,8 @@ void norm_backward(const NormBackwardArgs& args, void* stream_ptr) {
       detail::launch("apex::kernels::cuda::norm_grad_reduce", norm_grad_reduce_kernel,
                      static_cast<unsigned>(ceil_div(args.cols, kReduceCols)),
                      kReduceCols * kReduceSlices, stream, static_cast<const float*>(p.part_w),
-                     static_cast<const float*>(p.part_b), blocks, args.cols, args.dw, args.db);
+                     static_cast<const float*>(p.part_b), blocks, args.cols,
+                     static_cast<float*>(args.dw), static_cast<float*>(args.db));
     }
   };
 
