@@ -53,17 +53,19 @@ Row paired_row(const std::string& group, const std::string& name, double bytes, 
                const std::vector<std::vector<double>>& runs) {
   const auto& ours = runs.at(0);
   const auto& peer = runs.at(1);
-  const auto& limit = runs.at(2);
   std::vector<double> speedup;
-  std::vector<double> of_limit;
-  for (size_t i = 0; i < ours.size(); ++i) {
-    speedup.push_back(peer[i] / ours[i]);
-    of_limit.push_back((bytes / ours[i]) / (limit_bytes / limit[i]));
-  }
+  for (size_t i = 0; i < ours.size(); ++i) speedup.push_back(peer[i] / ours[i]);
   Row r{group, name, median(ours), median(peer), bytes, {}};
-  r.extra["stream_gbs"] = limit_bytes / (median(limit) * 1e6);
   r.extra["speedup"] = median(speedup);
-  r.extra["of_limit"] = median(of_limit);
+  if (runs.size() > 2) {
+    const auto& limit = runs[2];
+    std::vector<double> of_limit;
+    for (size_t i = 0; i < ours.size(); ++i) {
+      of_limit.push_back((bytes / ours[i]) / (limit_bytes / limit[i]));
+    }
+    r.extra["stream_gbs"] = limit_bytes / (median(limit) * 1e6);
+    r.extra["of_limit"] = median(of_limit);
+  }
   return r;
 }
 
@@ -173,8 +175,13 @@ void report(const Config& cfg, const std::string& area, const std::vector<Row>& 
     const double of_limit = r.extra.count("of_limit") ? r.extra.at("of_limit")
                             : limit > 0               ? gbs / limit
                                                       : 0.0;
-    std::printf("%-16s %-44s %9.2f %9.2f %7.2fx %8.1f %8.1f %6.0f%%\n", r.group.c_str(),
-                r.name.c_str(), r.ours_ms, r.peer_ms, speedup, gbs, limit, 100.0 * of_limit);
+    if (limit > 0) {
+      std::printf("%-16s %-44s %9.2f %9.2f %7.2fx %8.1f %8.1f %6.0f%%\n", r.group.c_str(),
+                  r.name.c_str(), r.ours_ms, r.peer_ms, speedup, gbs, limit, 100.0 * of_limit);
+    } else {  // no limit measured (data in cache): times in microseconds
+      std::printf("%-16s %-44s %8.1fu %8.1fu %7.2fx %8.1f %8s %7s\n", r.group.c_str(),
+                  r.name.c_str(), r.ours_ms * 1e3, r.peer_ms * 1e3, speedup, gbs, "-", "-");
+    }
   }
   std::ofstream out(cfg.json);
   out << "{\"area\": \"" << area << "\", \"device\": \"" << cfg.device.str()

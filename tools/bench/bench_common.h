@@ -75,9 +75,10 @@ struct FreshWriteStream {
   at::Tensor a_, b_, c_;
 };
 
-/// A row from interleaved runs of {ours, peer, limit loop}. Besides the medians it records
-/// paired statistics, taken round by round and then their median: extra["speedup"] (peer / ours)
-/// and extra["of_limit"] (our GB/s over the limit's in the same round). Pairing cancels most of
+/// A row from interleaved runs of {ours, peer, limit loop} (or {ours, peer}: no limit). Besides
+/// the medians it records paired statistics, taken round by round and then their median:
+/// extra["speedup"] (peer / ours) and extra["of_limit"] (our GB/s over the limit's in the same
+/// round). Pairing cancels most of
 /// the bandwidth drift of a shared machine, which moves whole rounds together.
 Row paired_row(const std::string& group, const std::string& name, double bytes, double limit_bytes,
                const std::vector<std::vector<double>>& runs);
