@@ -104,9 +104,11 @@ const std::vector<Case> kCases = {
     {{4, 9, 64}, 1},
     {{3, 4, 5, 6}, 2},
     // Backward partitions: 300 rows leave two of the 32 blocks empty, 3000 give blocks of 94
-    // rows (a group of 64 stored, then 30 added).
+    // rows (a group of 64 stored, then 30 added), 37 wide rows blocks of 8 rows (four pairs)
+    // and one of 5 (two pairs and a single row).
     {{300, 40}, 1},
     {{3000, 24}, 1},
+    {{37, 300}, 1},
 };
 
 TEST(FusedNorm, LayerNormMatchesReferenceFp32) {
