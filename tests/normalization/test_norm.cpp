@@ -104,11 +104,11 @@ const std::vector<Case> kCases = {
     {{4, 9, 64}, 1},
     {{3, 4, 5, 6}, 2},
     // Backward partitions: 300 rows leave two of the 32 blocks empty, 3000 give blocks of 94
-    // rows (a group of 64 stored, then 30 added), 37 wide rows blocks of 8 rows (four pairs)
-    // and one of 5 (two pairs and a single row).
+    // rows (a group of 64 stored, then 30 added), 21 rows of 4096 three blocks of 7 (rows wide
+    // enough to be taken in pairs: three pairs and a single row each).
     {{300, 40}, 1},
     {{3000, 24}, 1},
-    {{37, 300}, 1},
+    {{21, 4096}, 1},
 };
 
 TEST(FusedNorm, LayerNormMatchesReferenceFp32) {
@@ -131,8 +131,9 @@ TEST(FusedNorm, HalfDtypes) {
   for (auto dtype : {at::kBFloat16, at::kHalf}) {
     for (bool rms : {false, true}) {
       // 1000 columns: the wide-row kernels with a tail that is not a whole vector.
-      for (const Case& c :
-           {Case{{32, 16}, 1}, Case{{64, 1024}, 1}, Case{{8, 1000}, 1}, Case{{3, 7, 64}, 1}}) {
+      // 5 x 8192: bf16 rows taken in pairs, and one single row.
+      for (const Case& c : {Case{{32, 16}, 1}, Case{{64, 1024}, 1}, Case{{8, 1000}, 1},
+                            Case{{3, 7, 64}, 1}, Case{{5, 8192}, 1}}) {
         for (bool mem : {false, true}) check(c, dtype, true, rms, false, mem);
       }
     }
