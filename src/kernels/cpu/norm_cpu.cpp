@@ -143,7 +143,7 @@ void norm_backward(const NormBackwardArgs& a) {
   double* const dw_sum = want ? workspace<double>(Slot::kWeightSums, used * sum_stride) : nullptr;
   double* const db_sum = want ? workspace<double>(Slot::kBiasSums, used * sum_stride) : nullptr;
   at::parallel_for(0, used, grain(per_block * cols), [&](int64_t begin, int64_t end) {
-    float* const scratch = workspace<float>(Slot::kRows, 5 * norm_scratch_stride(cols));
+    float* const scratch = workspace<float>(Slot::kRows, 5 * norm_scratch_stride(cols) + 1024);
     for (int64_t blk = begin; blk < end; ++blk) {
       NormBackwardBlock block;
       block.begin = blk * per_block;
