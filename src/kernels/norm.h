@@ -36,8 +36,8 @@ struct NormForwardArgs {
 ///   LayerNorm: dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))
 ///   RMSNorm:   dx = rstd * (g - x_hat * mean(g * x_hat))
 ///   dw = sum over rows of dy * x_hat;  db = sum over rows of dy
-/// dw/db are [cols] (null when not wanted); partial sums per thread are combined in a fixed
-/// order, so results do not depend on scheduling.
+/// dw/db are [cols] (null when not wanted); partial sums per fixed block of rows are combined in
+/// a fixed order, so results do not depend on scheduling.
 struct NormBackwardArgs {
   int64_t rows = 0;
   int64_t cols = 0;
@@ -55,8 +55,8 @@ struct NormBackwardArgs {
   void* dx = nullptr;
   void* dw = nullptr;  ///< [cols] in dwb_dtype, or null
   void* db = nullptr;
-  /// dw and db's dtype. The CPU backend writes any of the three (rounded once from its fp64
-  /// sums); the CUDA backend writes fp32 only.
+  /// dw and db's dtype. The CPU backend writes any of the three (its fp64 sums rounded to fp32,
+  /// then to the dtype, as a cast of an fp32 result would); the CUDA backend writes fp32 only.
   DType dwb_dtype = DType::kFloat32;
   /// CUDA backend: device scratch for the dw/db partial rows. Called at most once with the bytes
   /// needed; must return memory usable on the call's stream by the work this call enqueues (the

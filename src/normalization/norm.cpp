@@ -313,7 +313,12 @@ at::Tensor run(const char* who, const at::Tensor& input, at::IntArrayRef shape,
   const bool grad = at::GradMode::is_enabled() &&
                     (input.requires_grad() || (weight.defined() && weight.requires_grad()) ||
                      (bias.defined() && bias.requires_grad()));
-  if (!grad) {
+  // Forward-mode tangents (dual tensors) go through the autograd Function too, which rejects
+  // them with LibTorch's message; the plain path would drop them silently.
+  const auto tangent = [](const at::Tensor& t) {
+    return t.defined() && t._fw_grad(/*level=*/0).defined();
+  };
+  if (!grad && !tangent(input) && !tangent(weight) && !tangent(bias)) {
     // Nothing to record (inference, or no_grad): the kernels without the autograd node, its
     // saved tensors and metadata, which cost more than the kernel itself on small inputs.
     const at::Tensor w = weight.defined() ? weight.contiguous() : at::Tensor();

@@ -3,6 +3,7 @@
 #include <apex/amp/initialize.h>
 #include <apex/normalization.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/forward_grad.h>
 
 #include "../common/test_util.h"
 
@@ -307,6 +308,33 @@ TEST(FusedNorm, StatisticsOfHardRows) {
   }
 }
 
+// Rows so wide that the backward's fp64 block sums (2 blocks x 540000 columns x 8 B, 8.6 MB each)
+// are over the size the kernels keep between calls: they are released after each call and
+// allocated again by the next (the second call checks that), with the same results as ATen.
+TEST(FusedNorm, WorkMemoryOfHugeRows) {
+  auto gen = at::detail::createCPUGenerator(13);
+  const int64_t cols = 540000;
+  const auto x0 = at::randn({9, cols}, gen);
+  const auto w0 = at::randn({cols}, gen);
+  const auto b0 = at::randn({cols}, gen);
+  const auto dy = at::randn({9, cols}, gen);
+  auto xr = x0.clone().set_requires_grad(true);
+  auto wr = w0.clone().set_requires_grad(true);
+  auto br = b0.clone().set_requires_grad(true);
+  at::layer_norm(xr, {cols}, wr, br).backward(dy);
+  for (int call = 0; call < 2; ++call) {
+    auto x = x0.clone().set_requires_grad(true);
+    auto w = w0.clone().set_requires_grad(true);
+    auto b = b0.clone().set_requires_grad(true);
+    const auto y = fused_layer_norm(x, {cols}, w, b);
+    y.backward(dy);
+    EXPECT_TRUE(all_close(y, at::layer_norm(x0, {cols}, w0, b0), {1e-4, 1e-5})) << call;
+    EXPECT_TRUE(all_close(x.grad(), xr.grad(), {1e-4, 1e-5})) << call;
+    EXPECT_TRUE(all_close(w.grad(), wr.grad(), {1e-4, 1e-4})) << call;
+    EXPECT_TRUE(all_close(b.grad(), br.grad(), {1e-4, 1e-4})) << call;
+  }
+}
+
 // The rows are split into fixed blocks whatever the thread count, and the blocks' dw/db sums
 // combined in order: every output is bitwise the same with 1, 2 or 3 threads.
 TEST(FusedNorm, ThreadCountDoesNotChangeResults) {
@@ -356,6 +384,17 @@ TEST(FusedNorm, NoGradPathMatchesTheAutogradPath) {
     EXPECT_TRUE(in_no_grad.grad_fn() == nullptr);
     EXPECT_EQ(in_no_grad.scalar_type(), at::kFloat);
   }
+}
+
+// Forward-mode AD is not supported (as for any C++ custom Function): a dual input is rejected
+// with an error, also under no_grad, instead of losing its tangent.
+TEST(FusedNorm, ForwardModeTangentsAreRejected) {
+  const uint64_t level = torch::autograd::ForwardADLevel::get_next_idx();
+  const auto x =
+      at::_make_dual(at::randn({4, 32}), at::randn({4, 32}), static_cast<int64_t>(level));
+  const torch::NoGradGuard no_grad;
+  EXPECT_THROW(fused_layer_norm(x, {32}), c10::Error);
+  torch::autograd::ForwardADLevel::release_idx(level);
 }
 
 TEST(FusedNorm, BadInput) {

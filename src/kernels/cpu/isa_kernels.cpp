@@ -698,7 +698,7 @@ struct BackwardRow {
   int64_t cols;
   bool rms;
   const float* w;  // fp32 [cols]: ones when the norm has none
-  const float* b;  // fp32 [cols]: zeros when absent (read only from the output)
+  const float* b;  // fp32 [cols] from the output (zeros if no bias); null otherwise
   float mean;
   float rstd;
   float* dw_part;  // fp32 partials [cols]
@@ -847,18 +847,18 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
     row.rstd = a.rstd[r];
     return backward_sums<kFromOutput, V>(row, src_row, dy_row);
   };
-  // Wide rows take their second pass two rows at a time when one row's second pass (three rows
-  // and the fp32 w, dw and db) is well over L1 (48 KB here): then w and the partials come from L2,
-  // and a pair halves that traffic (in-process A/B on the development VM: fp32 4096-8192 columns
-  // 4-17 % faster, bf16 8192 columns 8-12 %). Narrower rows ran slower in pairs (fp32 1024
-  // columns by 15 %, bf16 1024-4096 from memory by 10-50 %). Not fp16, whose rows are converted
-  // through single scratch rows.
+  // Wide rows take their second pass two rows at a time when a row's three rows (src, dy, dx)
+  // fill L1 (48 KB here): then w and the partials come from L2, and a pair halves that traffic
+  // (in-process A/B on the development VM: fp32 4096-8192 columns 4-17 % faster, bf16 8192
+  // columns 8-12 %). Narrower rows ran slower in pairs (fp32 1024 columns by 15 %, bf16 1024-4096
+  // from memory by 10-50 %); the threshold gives fp32 from 4096 columns and bf16 from 8192, the
+  // measured sides. Not fp16, whose rows are converted through single scratch rows.
   constexpr bool kMayPair =
       V > 1 && !std::is_same_v<SS, Half> && !std::is_same_v<DS, Half> && !std::is_same_v<OS, Half>;
-  constexpr int64_t kPairBytes = 96 << 10;
+  constexpr int64_t kPairBytes = 48 << 10;
   const bool pairs =
       kMayPair && cols * static_cast<int64_t>(sizeof(stored_t<SS>) + sizeof(stored_t<DS>) +
-                                              sizeof(stored_t<OS>) + 3 * sizeof(float)) >=
+                                              sizeof(stored_t<OS>)) >=
                       kPairBytes;
   for (int64_t r = blk.begin; r < blk.end;) {
     if ((r - blk.begin) % kNormGroup == 0) {

@@ -11,6 +11,7 @@
 #include <memory>
 #include <new>
 #include <utility>
+#include <vector>
 
 #include "kernels/cpu/isa.h"
 #include "kernels/norm.h"
@@ -43,16 +44,25 @@ class LineBuffer {
 // Work memory of a call, kept by each thread between calls and grown when a call needs more.
 // One allocation per call and buffer had cost up to twice a small norm's time in a fragmented
 // heap (apex-bench norm, 8x8192 bf16 forward: 20 us against 11 us, depending on which shapes
-// ran before), and it is always the same few sizes in a training loop.
+// ran before), and it is always the same few sizes in a training loop. Buffers over kKeepBytes
+// (rows of ~100k columns and more) are released at the end of the task that used them
+// (release_large_workspace), so that one huge call does not pin its memory for the thread's life.
 enum class Slot { kWeight, kBias, kRows, kWeightSums, kBiasSums, kCount };
+constexpr size_t kKeepBytes = size_t{8} << 20;
+
+struct WorkBuffers {
+  std::array<LineBuffer, static_cast<size_t>(Slot::kCount)> buf;
+  std::array<size_t, static_cast<size_t>(Slot::kCount)> bytes{};
+};
+
+WorkBuffers& work_buffers() {
+  thread_local WorkBuffers t;
+  return t;
+}
 
 template <class T>
 T* workspace(Slot slot, int64_t n) {
-  struct Buffers {
-    std::array<LineBuffer, static_cast<size_t>(Slot::kCount)> buf;
-    std::array<size_t, static_cast<size_t>(Slot::kCount)> bytes{};
-  };
-  thread_local Buffers t;
+  WorkBuffers& t = work_buffers();
   const auto i = static_cast<size_t>(slot);
   const size_t bytes = static_cast<size_t>(n) * sizeof(T);
   if (t.bytes[i] < bytes) {
@@ -61,6 +71,26 @@ T* workspace(Slot slot, int64_t n) {
   }
   return reinterpret_cast<T*>(t.buf[i].data());
 }
+
+// Releases this thread's buffers over kKeepBytes: a task's scratch rows at the end of the task
+// (only those: the calling thread runs a task too, while its other buffers are still in use by
+// the other threads), everything at the end of the call.
+void release_large_workspace(bool rows_only) {
+  WorkBuffers& t = work_buffers();
+  for (size_t i = 0; i < t.buf.size(); ++i) {
+    if ((!rows_only || i == static_cast<size_t>(Slot::kRows)) && t.bytes[i] > kKeepBytes) {
+      t.buf[i] = LineBuffer();
+      t.bytes[i] = 0;
+    }
+  }
+}
+
+struct ReleaseAtEnd {
+  ReleaseAtEnd() = default;
+  ReleaseAtEnd(const ReleaseAtEnd&) = delete;
+  ReleaseAtEnd& operator=(const ReleaseAtEnd&) = delete;
+  ~ReleaseAtEnd() { release_large_workspace(false); }
+};
 
 // The affine parameters as fp32 [n] (null when absent): in place when they are fp32 on a cache
 // line (as torch's CPU allocator returns them), otherwise converted into the calling thread's
@@ -107,6 +137,8 @@ int64_t grain(int64_t elements_per_item) {
 }  // namespace
 
 void norm_forward(const NormForwardArgs& a) {
+  if (a.rows <= 0 || a.cols <= 0) return;
+  const ReleaseAtEnd release;
   const float* w = float_params(a.w, a.w_dtype, a.cols, Slot::kWeight);
   const float* b = float_params(a.b, a.w_dtype, a.cols, Slot::kBias);
   // Scratch rows are used only to convert fp16 rows.
@@ -120,16 +152,28 @@ void norm_forward(const NormForwardArgs& a) {
     float* rows =
         scratch ? workspace<float>(Slot::kRows, 2 * norm_scratch_stride(a.cols)) : nullptr;
     table().norm_forward_rows(a, begin, end, w, b, rows, prefetch);
+    release_large_workspace(/*rows_only=*/true);
   });
 }
 
 void norm_backward(const NormBackwardArgs& a) {
+  if (a.rows <= 0 || a.cols <= 0) {
+    // Nothing to normalize: the weight/bias gradients of no rows are zeros.
+    if (a.cols > 0) {
+      const std::vector<float> zeros(static_cast<size_t>(a.cols), 0.0f);
+      if (a.dw != nullptr) table().from_float(zeros.data(), a.dwb_dtype, a.dw, a.cols);
+      if (a.db != nullptr) table().from_float(zeros.data(), a.dwb_dtype, a.db, a.cols);
+    }
+    return;
+  }
+  const ReleaseAtEnd release;
   const bool from_output = a.y != nullptr;
-  // The row kernel always multiplies by w (and subtracts b when from the output).
+  // The row kernel always multiplies by w; it reads b only to recompute x_hat from the output.
   const float* w = a.w != nullptr ? float_params(a.w, a.w_dtype, a.cols, Slot::kWeight)
                                   : filled(a.cols, 1.0f, Slot::kWeight);
-  const float* b = from_output && a.b != nullptr ? float_params(a.b, a.w_dtype, a.cols, Slot::kBias)
-                                                 : filled(a.cols, 0.0f, Slot::kBias);
+  const float* b = !from_output     ? nullptr
+                   : a.b != nullptr ? float_params(a.b, a.w_dtype, a.cols, Slot::kBias)
+                                    : filled(a.cols, 0.0f, Slot::kBias);
   // Fixed blocks of rows, each with its own fp64 sums of dw/db (the row kernels add fp32
   // partials over groups of rows into them), combined in order at the end: the result does not
   // depend on the thread count.
@@ -155,6 +199,7 @@ void norm_backward(const NormBackwardArgs& a) {
       block.db_sum = want ? db_sum + blk * sum_stride : nullptr;
       table().norm_backward_block(a, block);
     }
+    release_large_workspace(/*rows_only=*/true);
   });
   if (!want) return;
   // The blocks' sums in block order, per column (contiguous along the columns), rounded once
