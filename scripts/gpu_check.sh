@@ -22,6 +22,7 @@ timeout 240 build-gpu/tools/apex-bench optim --device cuda --repeats 20 --warmup
 echo; echo "== apex-bench norm --device cuda =="
 timeout 150 build-gpu/tools/apex-bench norm --device cuda --repeats 20 --warmup 3 \
   --json "$OUT/bench-norm-cuda.json" 2>&1 | tee "$OUT/bench-norm-cuda.txt" | tail -30
+"$PY" scripts/norm_summary.py "$OUT/bench-norm-cuda.json" 2>&1 | tee "$OUT/bench-norm-summary.txt"
 echo; echo "== apex-train --device cuda (transformer, O0/O1/O2, fp16) =="
 timeout 120 build-gpu/tools/apex-train --device cuda --steps 100 --no-progress 2>&1 |
   tee "$OUT/train-cuda.txt" | tail -6
