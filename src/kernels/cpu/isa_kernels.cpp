@@ -699,8 +699,6 @@ struct BackwardRow {
   bool rms;
   const float* w;  // fp32 [cols]: ones when the norm has none
   const float* b;  // fp32 [cols] from the output (zeros if no bias); null otherwise
-  float mean;
-  float rstd;
   float* dw_part;  // fp32 partials [cols]
   float* db_part;
 };
@@ -713,6 +711,10 @@ struct RowCoef {
   float c_x;  // mean(g * x_hat)
 };
 
+inline float dx_of(const RowCoef& c, float dy, float w, float x_hat) {
+  return c.rstd * (dy * w - c.c_0 - x_hat * c.c_x);
+}
+
 // A backward row is two passes over src (x or y) and dy. The first (this one) reads the row from
 // memory and only loads: sum(g) and sum(g * x_hat), in V registers of partials each. The second
 // (backward_out) finds the row in cache, writes dx and adds dy * x_hat and dy to the dw/db
@@ -720,14 +722,11 @@ struct RowCoef {
 // their write-allocate reads overlap this pass's loads instead of stalling the second pass's
 // stores.
 template <bool kFromOutput, int V, class TS, class TD>
-inline RowCoef backward_sums(const BackwardRow& r, const TS* __restrict src,
-                             const TD* __restrict dy, const char* out = nullptr,
-                             int64_t out_elem = 0) {
+inline RowCoef backward_sums(const BackwardRow& r, float mean, float rstd, const TS* __restrict src,
+                             const TD* __restrict dy, const char* out, int64_t out_elem) {
   const int64_t cols = r.cols;
   const float* __restrict w = r.w;
   const float* __restrict b = r.b;
-  const float mean = r.mean;
-  const float rstd = r.rstd;
   Lanes acc_g[V] = {};
   Lanes acc_gx[V] = {};
   int64_t i = 0;
@@ -768,7 +767,7 @@ inline void backward_out(const BackwardRow& r, const RowCoef& c, const TS* __res
   for (int64_t k = 0; k < r.cols; ++k) {
     const float d = get(dy, k);
     const float xh = x_hat<kFromOutput>(src, w, b, c.mean, c.rstd, k);
-    put(out, k, c.rstd * (d * w[k] - c.c_0 - xh * c.c_x));
+    put(out, k, dx_of(c, d, w[k], xh));
     dw[k] += d * xh;
     db[k] += d;
   }
@@ -796,8 +795,8 @@ inline void backward_out2(const BackwardRow& r, const RowCoef& c0, const RowCoef
     const float d1 = get(dy1, k);
     const float xh0 = x_hat<kFromOutput>(src0, w, b, c0.mean, c0.rstd, k);
     const float xh1 = x_hat<kFromOutput>(src1, w, b, c1.mean, c1.rstd, k);
-    put(out0, k, c0.rstd * (d0 * wk - c0.c_0 - xh0 * c0.c_x));
-    put(out1, k, c1.rstd * (d1 * wk - c1.c_0 - xh1 * c1.c_x));
+    put(out0, k, dx_of(c0, d0, wk, xh0));
+    put(out1, k, dx_of(c1, d1, wk, xh1));
     dw[k] = dw[k] + d0 * xh0 + d1 * xh1;
     db[k] = db[k] + d0 + d1;
   }
@@ -839,7 +838,7 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
                            ? blk.scratch + 3 * stride
                            : half_a_page_from(blk.scratch + 3 * stride,
                                               static_cast<stored_t<OS>*>(a.dx) + blk.begin * cols);
-  BackwardRow row{cols, a.rms, blk.w, blk.b, 0.0f, 0.0f, parts, parts + stride};
+  const BackwardRow row{cols, a.rms, blk.w, blk.b, parts, parts + stride};
   const void* src_base = kFromOutput ? a.y : a.x;
   // The first group's partials are stored into the block's sums, later ones added.
   auto flush = [&](bool first) {
@@ -856,10 +855,10 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
   // the hardware's own stream to cover it.
   const bool prefetch_dx = cols >= 2048;
   auto coef = [&](int64_t r, const auto* src_row, const auto* dy_row) {
-    row.mean = a.rms || kFromOutput ? 0.0f : a.mean[r];
-    row.rstd = a.rstd[r];
+    const float mean = a.rms || kFromOutput ? 0.0f : a.mean[r];
     return backward_sums<kFromOutput, V>(
-        row, src_row, dy_row, prefetch_dx ? reinterpret_cast<const char*>(dx_at(r)) : nullptr,
+        row, mean, a.rstd[r], src_row, dy_row,
+        prefetch_dx ? reinterpret_cast<const char*>(dx_at(r)) : nullptr,
         static_cast<int64_t>(sizeof(stored_t<OS>)));
   };
   // Wide rows take their second pass two rows at a time when a row's three rows (src, dy, dx)

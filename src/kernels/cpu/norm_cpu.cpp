@@ -11,7 +11,6 @@
 #include <memory>
 #include <new>
 #include <utility>
-#include <vector>
 
 #include "kernels/cpu/isa.h"
 #include "kernels/norm.h"
@@ -45,7 +44,7 @@ class LineBuffer {
 // One allocation per call and buffer had cost up to twice a small norm's time in a fragmented
 // heap (apex-bench norm, 8x8192 bf16 forward: 20 us against 11 us, depending on which shapes
 // ran before), and it is always the same few sizes in a training loop. Buffers over kKeepBytes
-// (rows of ~100k columns and more) are released at the end of the task that used them
+// (rows of ~100k columns and more) are released once the call is done with them
 // (release_large_workspace), so that one huge call does not pin its memory for the thread's life.
 enum class Slot { kWeight, kBias, kRows, kWeightSums, kBiasSums, kCount };
 constexpr size_t kKeepBytes = size_t{8} << 20;
@@ -160,9 +159,10 @@ void norm_backward(const NormBackwardArgs& a) {
   if (a.rows <= 0 || a.cols <= 0) {
     // Nothing to normalize: the weight/bias gradients of no rows are zeros.
     if (a.cols > 0) {
-      const std::vector<float> zeros(static_cast<size_t>(a.cols), 0.0f);
-      if (a.dw != nullptr) table().from_float(zeros.data(), a.dwb_dtype, a.dw, a.cols);
-      if (a.db != nullptr) table().from_float(zeros.data(), a.dwb_dtype, a.db, a.cols);
+      const ReleaseAtEnd release;
+      const float* zeros = filled(a.cols, 0.0f, Slot::kWeight);
+      if (a.dw != nullptr) table().from_float(zeros, a.dwb_dtype, a.dw, a.cols);
+      if (a.db != nullptr) table().from_float(zeros, a.dwb_dtype, a.db, a.cols);
     }
     return;
   }
