@@ -10,7 +10,9 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
+#include <sstream>
 #include <string>
 
 namespace apex::test {
@@ -53,6 +55,37 @@ inline ::testing::AssertionResult all_close(const at::Tensor& actual, const at::
            << ")";
   }
   return ::testing::AssertionSuccess();
+}
+
+/// Whether the bf16 tensor `actual` holds, bit for bit, the fp32 tensor `exact` rounded as
+/// c10::BFloat16 rounds one value (to nearest even; every NaN to 0x7fc0; denormals kept).
+inline ::testing::AssertionResult bf16_rounding_of(const at::Tensor& actual,
+                                                   const at::Tensor& exact) {
+  if (actual.scalar_type() != c10::kBFloat16 || exact.scalar_type() != c10::kFloat ||
+      actual.sizes() != exact.sizes()) {
+    return ::testing::AssertionFailure()
+           << "expected a bf16 and an fp32 tensor of one shape, got " << actual.toString()
+           << actual.sizes() << " and " << exact.toString() << exact.sizes();
+  }
+  const auto a = actual.detach().cpu().contiguous();
+  const auto e = exact.detach().cpu().contiguous();
+  const auto* got = a.data_ptr<c10::BFloat16>();
+  const float* want = e.data_ptr<float>();
+  int64_t bad = 0;
+  int64_t first = -1;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    if (got[i].x != c10::BFloat16(want[i]).x) {
+      if (bad++ == 0) first = i;
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  uint32_t bits = 0;
+  std::memcpy(&bits, want + first, 4);
+  std::ostringstream hex;
+  hex << std::hex << "0x" << got[first].x << " for fp32 0x" << bits << ", expected 0x"
+      << c10::BFloat16(want[first]).x;
+  return ::testing::AssertionFailure()
+         << bad << " element(s) differ; first at flat index " << first << ": " << hex.str();
 }
 
 /// A fresh temporary folder per test (named after the process and the test), removed afterwards.

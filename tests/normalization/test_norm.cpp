@@ -308,6 +308,39 @@ TEST(FusedNorm, StatisticsOfHardRows) {
   }
 }
 
+// A bf16 output (y of the forward, dx of the backward) is the fp32 result rounded once: the same
+// norm on the same values with fp32 storage, rounded by c10::BFloat16, bit for bit. The rows
+// hold denormal results (half the columns have denormal weights; dy is tiny) and a row of NaNs
+// (from a negative NaN input, which the hardware's bf16 conversion would keep negative). 96
+// columns take the short-row kernels, 1000 the wide ones with a partial last vector, 8192 the
+// backward's row pairs.
+TEST(FusedNorm, Bf16OutputsAreRoundedFp32Results) {
+  for (int64_t cols : {96, 1000, 8192}) {
+    auto gen = at::detail::createCPUGenerator(19);
+    auto x = at::randn({18, cols}, gen).to(at::kBFloat16);
+    x[5][cols / 3] = -std::numeric_limits<float>::quiet_NaN();
+    auto w = at::randn({cols}, gen);
+    auto b = at::randn({cols}, gen);
+    w.slice(0, 0, cols, 2).fill_(3e-39);
+    b.slice(0, 0, cols, 2).zero_();
+    w = w.to(at::kBFloat16);
+    b = b.to(at::kBFloat16);
+    const auto dy = (at::randn({18, cols}, gen) * 2e-38).to(at::kBFloat16);
+    std::vector<at::Tensor> y, dx;
+    for (auto t : {at::kBFloat16, at::kFloat}) {
+      auto xt = x.to(t, /*non_blocking=*/false, /*copy=*/true).set_requires_grad(true);
+      y.push_back(fused_layer_norm(xt, {cols}, w.to(t), b.to(t)));
+      y.back().backward(dy.to(t));
+      dx.push_back(xt.grad());
+    }
+    ASSERT_TRUE(y[1][5].isnan().all().item<bool>());
+    ASSERT_TRUE((y[1].abs() < 1.1754944e-38).logical_and(y[1] != 0).any().item<bool>());
+    ASSERT_TRUE((dx[1].abs() < 1.1754944e-38).logical_and(dx[1] != 0).any().item<bool>());
+    EXPECT_TRUE(bf16_rounding_of(y[0], y[1])) << cols << " columns, forward";
+    EXPECT_TRUE(bf16_rounding_of(dx[0], dx[1])) << cols << " columns, backward";
+  }
+}
+
 // Rows so wide that the backward's fp64 block sums (2 blocks x 540000 columns x 8 B, 8.6 MB each)
 // are over the size the kernels keep between calls: they are released after each call and
 // allocated again by the next (the second call checks that), with the same results as ATen.

@@ -148,6 +148,32 @@ TEST(MultiTensorMaxNorm, MatchesAbsMaxAndPropagatesNaN) {
   EXPECT_TRUE(std::isnan(t3.item<float>()));
 }
 
+// fp32 to bf16 is c10::BFloat16's rounding bit for bit on every instruction set: ties to even,
+// denormals kept (AVX512-BF16's conversion flushes them), every NaN to 0x7fc0 (the instruction
+// keeps the sign and payload), overflow to infinity. The special values sit among ordinary ones,
+// in the vector part and in the tail.
+TEST(MultiTensorScale, Bf16OutputsRoundAsC10) {
+  const std::vector<uint32_t> special = {
+      0x3f808000, 0x3f818000, 0x3f807fff, 0x3f808001, 0xbf818000,  // ties and near-ties
+      0x00000001, 0x00008000, 0x00018000, 0x007fffff, 0x807f8000,  // denormals
+      0x00000000, 0x80000000, 0x7f800000, 0xff800000,              // zeros, infinities
+      0x7fc00000, 0xffc00000, 0x7f800001, 0xff812345, 0x7fffffff,  // NaNs
+      0x7f7fffff, 0x7f7f7fff, 0xff7f8000};                         // overflow or not
+  auto gen = at::detail::createCPUGenerator(17);
+  for (int64_t n : {22, 61, 1000, 4099}) {
+    at::Tensor in = at::randn({n}, gen) * at::pow(10.0, at::randint(-30, 30, {n}, gen));
+    auto* p = in.data_ptr<float>();
+    for (size_t k = 0; k < special.size(); ++k) {
+      const auto at_k = static_cast<int64_t>(k * 37 % static_cast<size_t>(n));
+      std::memcpy(p + (at_k + n - 1 - static_cast<int64_t>(k) % 3) % n, &special[k], 4);
+    }
+    auto out = filled({n}, 0.0, at::kBFloat16);
+    auto f = flag();
+    multi_tensor_scale({in}, out, 1.0, f);
+    EXPECT_TRUE(bf16_rounding_of(out[0], in)) << n << " elements";
+  }
+}
+
 TEST(MultiTensorCheckFinite, ReadsOnly) {
   auto x = filled(kEdgeSizes, 1.0, at::kBFloat16);
   auto f = flag();

@@ -53,8 +53,8 @@ void multi_tensor_check_finite(const std::vector<at::Tensor>& x, const at::Tenso
 double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
                        double norm_type = 2.0, bool error_if_nonfinite = false);
 
-/// The SIMD code path of the CPU kernels in use: "avx512", "avx2" or "baseline" (the best this
-/// CPU supports; the environment variable APEX_CPU_ISA forces a narrower one).
+/// The SIMD code path of the CPU kernels in use: "avx512bf16", "avx512", "avx2" or "baseline" (the
+/// best this CPU supports; the environment variable APEX_CPU_ISA forces a narrower one).
 const char* cpu_kernel_isa();
 
 }  // namespace apex::optim

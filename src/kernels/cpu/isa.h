@@ -92,5 +92,6 @@ const IsaTable& isa_table();
 const IsaTable& isa_table_baseline();
 const IsaTable& isa_table_avx2();
 const IsaTable& isa_table_avx512();
+const IsaTable& isa_table_avx512bf16();
 
 }  // namespace apex::kernels::cpu

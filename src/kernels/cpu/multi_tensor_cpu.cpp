@@ -27,15 +27,20 @@ const IsaTable& select_table() {
   __builtin_cpu_init();
   const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool has512bf16 = has512 && __builtin_cpu_supports("avx512bf16");
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c");
-  if (!want.empty() && want != "baseline" && want != "avx2" && want != "avx512") {
-    std::fprintf(stderr, "apex-cpp: ignoring APEX_CPU_ISA=%s (expected baseline, avx2 or avx512)\n",
+  if (!want.empty() && want != "baseline" && want != "avx2" && want != "avx512" &&
+      want != "avx512bf16") {
+    std::fprintf(stderr,
+                 "apex-cpp: ignoring APEX_CPU_ISA=%s (expected baseline, avx2, avx512 or "
+                 "avx512bf16)\n",
                  forced);
   }
   if (want == "baseline") return isa_table_baseline();
   if (want == "avx2" && has2) return isa_table_avx2();
-  if (want.empty() || want == "avx512") {
+  if ((want.empty() || want == "avx512bf16") && has512bf16) return isa_table_avx512bf16();
+  if (want.empty() || want == "avx512" || want == "avx512bf16") {
     if (has512) return isa_table_avx512();
   }
   if (has2) return isa_table_avx2();
