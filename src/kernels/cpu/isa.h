@@ -78,10 +78,9 @@ struct IsaTable {
   /// n fp32 values of src into dst, stored as t (rounded to nearest even).
   void (*from_float)(const float* src, DType t, void* dst, int64_t n);
   /// Rows [begin, end) of a LayerNorm/RMSNorm forward (see NormForwardArgs). w, b: fp32 copies
-  /// [cols] or null. scratch: 2 regions of norm_scratch_stride(cols) floats. prefetch: ask for
-  /// the next row while this one is worked on.
+  /// [cols] or null. scratch: 2 regions of norm_scratch_stride(cols) floats.
   void (*norm_forward_rows)(const NormForwardArgs& a, int64_t begin, int64_t end, const float* w,
-                            const float* b, float* scratch, bool prefetch);
+                            const float* b, float* scratch);
   /// A block of rows of the backward (see NormBackwardArgs, NormBackwardBlock).
   void (*norm_backward_block)(const NormBackwardArgs& a, const NormBackwardBlock& block);
 };

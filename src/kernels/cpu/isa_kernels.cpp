@@ -651,9 +651,8 @@ void to_float_values(const void* src, DType t, float* dst, int64_t n) {
 
 // Rows are contiguous: ask for the next row while this one is worked on in L1, so that memory is
 // busy during the passes that do not read it (prefetches never fault, so the row after the last
-// one is harmless). The forward does it when its input comes from memory (see norm_cpu.cpp);
-// the backward's first pass streams its two rows with the hardware prefetchers, which a burst
-// of software prefetches only disturbed for rows of 256 and more.
+// one is harmless). Only the backward's short rows do it: on rows of 256 and more the hardware's
+// stream prefetch does better alone (see docs/design.md, "Tried and dropped").
 void prefetch_next_row(const void* row, DType t, int64_t cols) {
   const int64_t row_bytes = cols * dtype_size(t);
   // Integer arithmetic: after the last row the addresses lie past the tensor, where forming a
@@ -733,12 +732,11 @@ constexpr DType dtype_of() {
 // can overlap the next row's loads.
 template <class XS, class YS>
 void forward_rows(const NormForwardArgs& a, int64_t begin, int64_t end, const float* w,
-                  const float* b, float* scratch, bool prefetch) {
+                  const float* b, float* scratch) {
   const int64_t cols = a.cols;
   for (int64_t r = begin; r < end; ++r) {
     const stored_t<XS>* xs = static_cast<const stored_t<XS>*>(a.x) + r * cols;
     stored_t<YS>* ys = static_cast<stored_t<YS>*>(a.y) + r * cols;
-    if (prefetch) prefetch_next_row(xs, dtype_of<XS>(), cols);
     const auto* xr = row_view<XS>(xs, scratch, cols);
     const auto [mean, var] = row_moments(xr, cols, a.rms);
     const float rstd = 1.0f / __builtin_sqrtf(var + a.eps);
@@ -760,10 +758,10 @@ void forward_rows(const NormForwardArgs& a, int64_t begin, int64_t end, const fl
 }
 
 void norm_forward_rows(const NormForwardArgs& a, int64_t begin, int64_t end, const float* w,
-                       const float* b, float* scratch, bool prefetch) {
+                       const float* b, float* scratch) {
   with_storage(a.x_dtype, [&](auto xs) {
     with_storage(a.y_dtype, [&](auto ys) {
-      forward_rows<decltype(xs), decltype(ys)>(a, begin, end, w, b, scratch, prefetch);
+      forward_rows<decltype(xs), decltype(ys)>(a, begin, end, w, b, scratch);
     });
   });
 }

@@ -142,15 +142,10 @@ void norm_forward(const NormForwardArgs& a) {
   const float* b = float_params(a.b, a.w_dtype, a.cols, Slot::kBias);
   // Scratch rows are used only to convert fp16 rows.
   const bool scratch = a.x_dtype == DType::kFloat16 || a.y_dtype == DType::kFloat16;
-  const int64_t elem = dtype_size(a.x_dtype);
-  // Prefetching the next row pays when the input streams from memory: ~10 % at 32 MB and more
-  // with two threads on the development VM. Below that the input is largely in the last-level
-  // cache and the burst of prefetches only got in the way (12-16 MB inputs ran 15-30 % slower).
-  const bool prefetch = a.rows * a.cols * elem >= (int64_t{32} << 20);
   at::parallel_for(0, a.rows, grain(a.cols), [&](int64_t begin, int64_t end) {
     float* rows =
         scratch ? workspace<float>(Slot::kRows, 2 * norm_scratch_stride(a.cols)) : nullptr;
-    table().norm_forward_rows(a, begin, end, w, b, rows, prefetch);
+    table().norm_forward_rows(a, begin, end, w, b, rows);
     release_large_workspace(/*rows_only=*/true);
   });
 }
