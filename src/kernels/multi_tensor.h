@@ -179,7 +179,8 @@ void adagrad(const TensorLists& lists, const AdagradArgs& args);
 void lamb_stage1(const TensorLists& lists, const LambArgs& args);
 void lamb_stage2(const TensorLists& lists, const LambArgs& args);
 void novograd(const TensorLists& lists, const NovoGradArgs& args);
-/// Name of the SIMD code path in use ("avx512", "avx2" or "baseline"); APEX_CPU_ISA overrides.
+/// Name of the SIMD code path in use ("avx512bf16", "avx512", "avx2" or "baseline"); APEX_CPU_ISA
+/// overrides.
 const char* isa_name();
 }  // namespace cpu
 

@@ -311,33 +311,49 @@ TEST(FusedNorm, StatisticsOfHardRows) {
 // A bf16 output (y of the forward, dx of the backward) is the fp32 result rounded once: the same
 // norm on the same values with fp32 storage, rounded by c10::BFloat16, bit for bit. The rows
 // hold denormal results (half the columns have denormal weights; dy is tiny) and a row of NaNs
-// (from a negative NaN input, which the hardware's bf16 conversion would keep negative). 96
-// columns take the short-row kernels, 1000 the wide ones with a partial last vector, 8192 the
-// backward's row pairs.
+// from a negative NaN with a payload (0xffc1, written as bits: a float NaN assigned to a bf16
+// tensor becomes 0x7fc0), which the hardware's bf16 conversion would keep. 96 columns take the
+// short-row kernels, 1000 the wide ones with a partial last vector, 8192 the backward's row pairs.
+// LayerNorm with and without weight and bias, and RMSNorm. (Not memory_efficient: its backward
+// recomputes x_hat from the rounded bf16 output, so it is not the fp32 computation rounded.)
 TEST(FusedNorm, Bf16OutputsAreRoundedFp32Results) {
-  for (int64_t cols : {96, 1000, 8192}) {
-    auto gen = at::detail::createCPUGenerator(19);
-    auto x = at::randn({18, cols}, gen).to(at::kBFloat16);
-    x[5][cols / 3] = -std::numeric_limits<float>::quiet_NaN();
-    auto w = at::randn({cols}, gen);
-    auto b = at::randn({cols}, gen);
-    w.slice(0, 0, cols, 2).fill_(3e-39);
-    b.slice(0, 0, cols, 2).zero_();
-    w = w.to(at::kBFloat16);
-    b = b.to(at::kBFloat16);
-    const auto dy = (at::randn({18, cols}, gen) * 2e-38).to(at::kBFloat16);
-    std::vector<at::Tensor> y, dx;
-    for (auto t : {at::kBFloat16, at::kFloat}) {
-      auto xt = x.to(t, /*non_blocking=*/false, /*copy=*/true).set_requires_grad(true);
-      y.push_back(fused_layer_norm(xt, {cols}, w.to(t), b.to(t)));
-      y.back().backward(dy.to(t));
-      dx.push_back(xt.grad());
+  enum class Variant { kLayerNorm, kLayerNormPlain, kRMSNorm };
+  for (auto variant : {Variant::kLayerNorm, Variant::kLayerNormPlain, Variant::kRMSNorm}) {
+    for (int64_t cols : {96, 1000, 8192}) {
+      auto gen = at::detail::createCPUGenerator(19);
+      auto x = at::randn({18, cols}, gen).to(at::kBFloat16);
+      x.view(at::kShort)[5][cols / 3] = static_cast<int16_t>(0xffc1);
+      auto w = at::randn({cols}, gen);
+      auto b = at::randn({cols}, gen);
+      w.slice(0, 0, cols, 2).fill_(3e-39);
+      b.slice(0, 0, cols, 2).zero_();
+      const bool affine = variant != Variant::kLayerNormPlain;
+      w = affine ? w.to(at::kBFloat16) : at::Tensor();
+      b = variant == Variant::kLayerNorm ? b.to(at::kBFloat16) : at::Tensor();
+      const auto dy = (at::randn({18, cols}, gen) * 2e-38).to(at::kBFloat16);
+      std::vector<at::Tensor> y, dx;
+      for (auto t : {at::kBFloat16, at::kFloat}) {
+        auto xt = x.to(t, /*non_blocking=*/false, /*copy=*/true).set_requires_grad(true);
+        const auto wt = w.defined() ? w.to(t) : w;
+        const auto bt = b.defined() ? b.to(t) : b;
+        y.push_back(variant == Variant::kRMSNorm ? fused_rms_norm(xt, {cols}, wt)
+                                                 : fused_layer_norm(xt, {cols}, wt, bt));
+        y.back().backward(dy.to(t));
+        dx.push_back(xt.grad());
+      }
+      const std::string what = std::to_string(static_cast<int>(variant)) + " variant, " +
+                               std::to_string(cols) + " columns";
+      ASSERT_TRUE(y[1][5].isnan().all().item<bool>()) << what;
+      const auto denormal = [](const at::Tensor& t) {
+        return (t.abs() < 1.1754944e-38).logical_and(t != 0).any().item<bool>();
+      };
+      if (affine) {
+        ASSERT_TRUE(denormal(y[1])) << what;
+      }
+      ASSERT_TRUE(denormal(dx[1])) << what;
+      EXPECT_TRUE(bf16_rounding_of(y[0], y[1])) << what << ", forward";
+      EXPECT_TRUE(bf16_rounding_of(dx[0], dx[1])) << what << ", backward";
     }
-    ASSERT_TRUE(y[1][5].isnan().all().item<bool>());
-    ASSERT_TRUE((y[1].abs() < 1.1754944e-38).logical_and(y[1] != 0).any().item<bool>());
-    ASSERT_TRUE((dx[1].abs() < 1.1754944e-38).logical_and(dx[1] != 0).any().item<bool>());
-    EXPECT_TRUE(bf16_rounding_of(y[0], y[1])) << cols << " columns, forward";
-    EXPECT_TRUE(bf16_rounding_of(dx[0], dx[1])) << cols << " columns, backward";
   }
 }
 

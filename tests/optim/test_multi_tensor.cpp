@@ -2,7 +2,13 @@
 #include <apex/optim/multi_tensor.h>
 #include <torch/nn/utils/clip_grad.h>
 
+#include <cstdlib>
 #include <limits>
+#include <string>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "optim_test_util.h"
 
@@ -151,7 +157,7 @@ TEST(MultiTensorMaxNorm, MatchesAbsMaxAndPropagatesNaN) {
 // fp32 to bf16 is c10::BFloat16's rounding bit for bit on every instruction set: ties to even,
 // denormals kept (AVX512-BF16's conversion flushes them), every NaN to 0x7fc0 (the instruction
 // keeps the sign and payload), overflow to infinity. The special values sit among ordinary ones,
-// in the vector part and in the tail.
+// once at the start (16-lane steps) and once at the end (the last of which are the scalar tail).
 TEST(MultiTensorScale, Bf16OutputsRoundAsC10) {
   const std::vector<uint32_t> special = {
       0x3f808000, 0x3f818000, 0x3f807fff, 0x3f808001, 0xbf818000,  // ties and near-ties
@@ -159,19 +165,62 @@ TEST(MultiTensorScale, Bf16OutputsRoundAsC10) {
       0x00000000, 0x80000000, 0x7f800000, 0xff800000,              // zeros, infinities
       0x7fc00000, 0xffc00000, 0x7f800001, 0xff812345, 0x7fffffff,  // NaNs
       0x7f7fffff, 0x7f7f7fff, 0xff7f8000};                         // overflow or not
+  const auto count = static_cast<int64_t>(special.size());
   auto gen = at::detail::createCPUGenerator(17);
   for (int64_t n : {22, 61, 1000, 4099}) {
-    at::Tensor in = at::randn({n}, gen) * at::pow(10.0, at::randint(-30, 30, {n}, gen));
-    auto* p = in.data_ptr<float>();
-    for (size_t k = 0; k < special.size(); ++k) {
-      const auto at_k = static_cast<int64_t>(k * 37 % static_cast<size_t>(n));
-      std::memcpy(p + (at_k + n - 1 - static_cast<int64_t>(k) % 3) % n, &special[k], 4);
+    for (int64_t first : {int64_t{0}, n - count}) {
+      at::Tensor in = at::randn({n}, gen) * at::pow(10.0, at::randint(-30, 30, {n}, gen));
+      std::memcpy(in.data_ptr<float>() + first, special.data(), special.size() * 4);
+      auto out = filled({n}, 0.0, at::kBFloat16);
+      auto f = flag();
+      multi_tensor_scale({in}, out, 1.0, f);
+      EXPECT_TRUE(bf16_rounding_of(out[0], in)) << n << " elements, specials from " << first;
     }
-    auto out = filled({n}, 0.0, at::kBFloat16);
-    auto f = flag();
-    multi_tensor_scale({in}, out, 1.0, f);
-    EXPECT_TRUE(bf16_rounding_of(out[0], in)) << n << " elements";
   }
+}
+
+// With MXCSR's denormals-are-zero flag set (and flush-to-zero not), arithmetic still produces
+// denormal results, and the AVX512-BF16 class test would take them for zeros and let the
+// hardware flush them; the kernels then keep to the bit arithmetic. 1000 elements are one
+// chunk, run on this thread, whose MXCSR is the one set here.
+TEST(MultiTensorScale, Bf16RoundingUnderDenormalsAreZero) {
+#if defined(__x86_64__)
+  const unsigned saved = _mm_getcsr();
+  _mm_setcsr(saved | 0x0040);
+  auto gen = at::detail::createCPUGenerator(23);
+  at::Tensor in = at::rand({1000}, gen).add_(1.0).mul_(2e-38);  // normal; x 0.25 is denormal
+  auto out = filled({1000}, 0.0, at::kBFloat16);
+  auto f = flag();
+  multi_tensor_scale({in}, out, 0.25, f);
+  at::Tensor scaled = at::empty({1000});
+  for (int64_t i = 0; i < 1000; ++i) {
+    scaled.data_ptr<float>()[i] = in.data_ptr<float>()[i] * 0.25f;
+  }
+  _mm_setcsr(saved);
+  ASSERT_TRUE((scaled.abs() < 1.1754944e-38).all().item<bool>());
+  EXPECT_TRUE(bf16_rounding_of(out[0], scaled));
+#else
+  GTEST_SKIP() << "x86 only";
+#endif
+}
+
+// APEX_CPU_ISA (set by CTest for the forced runs) names the table in use when this CPU runs it.
+TEST(CpuKernelIsa, ForcedTableIsUsed) {
+  const char* forced = std::getenv("APEX_CPU_ISA");
+  if (forced == nullptr) GTEST_SKIP() << "APEX_CPU_ISA not set";
+  const std::string want = forced;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool runs = want == "baseline" ||
+                    (want == "avx2" && __builtin_cpu_supports("avx2") &&
+                     __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) ||
+                    (want == "avx512" && has512) ||
+                    (want == "avx512bf16" && has512 && __builtin_cpu_supports("avx512bf16"));
+  if (!runs) GTEST_SKIP() << "this CPU lacks " << want;
+#endif
+  EXPECT_EQ(std::string(apex::optim::cpu_kernel_isa()), want);
 }
 
 TEST(MultiTensorCheckFinite, ReadsOnly) {

@@ -141,13 +141,19 @@ inline Lanes16 bf16_round_bits(Lanes v) {
 
 // With AVX512-BF16 (kHwBf16) one instruction rounds sixteen lanes to nearest even, in place of
 // the ten or so of the bit arithmetic (one core, rows in L2: the bf16 LayerNorm forward took
-// 0.083-0.097 ns per element instead of 0.109-0.125, its backward 0.184 instead of 0.21; fp32's
-// forward takes 0.07-0.08). The instruction differs
-// from bf16_round in two cases: it flushes denormal inputs to zero, and it keeps a NaN's sign and
-// payload where c10 writes 0x7fc0. Lanes holding either are found by one class test and take the
-// bit arithmetic, so the result is bf16_round's bit for bit.
+// 0.083-0.097 ns per element instead of 0.125, its backward 0.184 instead of 0.21; fp32's forward
+// takes 0.07-0.08). The instruction differs from bf16_round in two cases: it flushes denormal
+// inputs to zero, and it keeps a NaN's sign and payload where c10 writes 0x7fc0. Lanes holding
+// either are found by one class test and take the bit arithmetic, so the result is bf16_round's
+// bit for bit. The class test sees denormals as zeros when MXCSR.DAZ is set, so with DAZ on
+// (torch.set_flush_denormal, or a caller's own MXCSR) the loops keep to the bit arithmetic
+// (hw_bf16_usable).
 #if defined(__AVX512BF16__)
 constexpr bool kHwBf16 = true;
+inline bool hw_bf16_usable() {
+  constexpr unsigned kDenormalsAreZero = 0x0040;
+  return (_mm_getcsr() & kDenormalsAreZero) == 0;
+}
 inline Lanes16 bf16_round_lanes(Lanes v) {
   const auto f = static_cast<__m512>(v);
   const auto hw = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f));
@@ -161,6 +167,7 @@ inline Lanes16 bf16_round_lanes(Lanes v) {
 }
 #else
 constexpr bool kHwBf16 = false;
+inline bool hw_bf16_usable() { return false; }
 inline Lanes16 bf16_round_lanes(Lanes v) { return bf16_round_bits(v); }
 #endif
 
@@ -191,14 +198,17 @@ inline void put_as(T* p, int64_t i, W v) {
 // Runs body(W{}, i) for the elements [0, n) of a loop whose stores go to TO: one element at a
 // time (W = float), which the compiler vectorizes, except where TO is bf16 and the CPU rounds in
 // hardware (kHwBf16), which the compiler's vectorizer does not use: then Lanes steps first, and
-// elements for the tail. The elements' stores never alias the loop's loads (each caller's
-// outputs are buffers of their own), hence ivdep: without it, GCC's runtime alias checks for
-// the backward's ten pointers exceeded its limit and left the fp32 loop scalar.
+// elements for the tail. No iteration stores to what another iteration loads (outputs are
+// buffers of their own; the dw/db partials are read and written at the same index only), hence
+// ivdep: without it, GCC's runtime alias checks for the backward's ten pointers exceeded its
+// limit and left the fp32 loop scalar.
 template <class TO, class F>
 __attribute__((always_inline)) inline void for_each_out(int64_t n, F&& body) {
   int64_t i = 0;
   if constexpr (kHwBf16 && std::is_same_v<TO, uint16_t>) {
-    for (; i + kVec <= n; i += kVec) body(Lanes{}, i);
+    if (hw_bf16_usable()) {
+      for (; i + kVec <= n; i += kVec) body(Lanes{}, i);
+    }
   }
 #pragma GCC ivdep
   for (; i < n; ++i) body(float{}, i);

@@ -4,11 +4,14 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -22,29 +25,38 @@ namespace {
 constexpr int64_t kChunk = 65536;
 
 const IsaTable& select_table() {
-  const char* forced = std::getenv("APEX_CPU_ISA");
-  const std::string_view want = forced != nullptr ? forced : "";
+  // Narrowest first: APEX_CPU_ISA picks the widest table up to the named one that this CPU runs.
+  constexpr std::array<std::string_view, 4> kNames = {"baseline", "avx2", "avx512", "avx512bf16"};
+  constexpr std::array<const IsaTable& (*)(), 4> kTables = {isa_table_baseline, isa_table_avx2,
+                                                            isa_table_avx512, isa_table_avx512bf16};
   __builtin_cpu_init();
-  const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  const bool has512bf16 = has512 && __builtin_cpu_supports("avx512bf16");
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c");
-  if (!want.empty() && want != "baseline" && want != "avx2" && want != "avx512" &&
-      want != "avx512bf16") {
-    std::fprintf(stderr,
-                 "apex-cpp: ignoring APEX_CPU_ISA=%s (expected baseline, avx2, avx512 or "
-                 "avx512bf16)\n",
-                 forced);
+  const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const std::array<bool, 4> runs = {true, has2, has512,
+                                    has512 && __builtin_cpu_supports("avx512bf16")};
+  const char* forced = std::getenv("APEX_CPU_ISA");
+  const std::string_view want = forced != nullptr ? forced : "";
+  size_t top = kNames.size() - 1;
+  if (!want.empty()) {
+    const auto it = std::find(kNames.begin(), kNames.end(), want);
+    if (it == kNames.end()) {
+      std::fprintf(stderr,
+                   "apex-cpp: ignoring APEX_CPU_ISA=%s (expected baseline, avx2, avx512 or "
+                   "avx512bf16)\n",
+                   forced);
+    } else {
+      top = static_cast<size_t>(it - kNames.begin());
+    }
   }
-  if (want == "baseline") return isa_table_baseline();
-  if (want == "avx2" && has2) return isa_table_avx2();
-  if ((want.empty() || want == "avx512bf16") && has512bf16) return isa_table_avx512bf16();
-  if (want.empty() || want == "avx512" || want == "avx512bf16") {
-    if (has512) return isa_table_avx512();
+  size_t pick = top;
+  while (!runs[pick]) --pick;
+  if (!want.empty() && pick != top && kNames[top] == want) {
+    std::fprintf(stderr, "apex-cpp: this CPU lacks APEX_CPU_ISA=%s; using %s\n", forced,
+                 std::string(kNames[pick]).c_str());
   }
-  if (has2) return isa_table_avx2();
-  return isa_table_baseline();
+  return kTables[pick]();
 }
 
 const IsaTable& table() { return isa_table(); }
