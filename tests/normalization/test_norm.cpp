@@ -357,6 +357,22 @@ TEST(FusedNorm, Bf16OutputsAreRoundedFp32Results) {
   }
 }
 
+// A bf16 LayerNorm large and wide enough to read its bf16 weight and bias in place (16 MB of
+// input, 4096 columns) gives the fp32 computation rounded, as the converted parameters do.
+TEST(FusedNorm, Bf16ParametersReadInPlace) {
+  auto gen = at::detail::createCPUGenerator(29);
+  const int64_t rows = 2048;
+  const int64_t cols = 4096;
+  const auto x = at::randn({rows, cols}, gen).to(at::kBFloat16);
+  const auto w = (at::randn({cols}, gen) * 0.5 + 1.0).to(at::kBFloat16);
+  const auto b = (at::randn({cols}, gen) * 0.1).to(at::kBFloat16);
+  const at::NoGradGuard no_grad;
+  const auto exact = fused_layer_norm(x.to(at::kFloat), {cols}, w.to(at::kFloat), b.to(at::kFloat));
+  EXPECT_TRUE(bf16_rounding_of(fused_layer_norm(x, {cols}, w, b), exact));
+  EXPECT_TRUE(bf16_rounding_of(fused_rms_norm(x, {cols}, w),
+                               fused_rms_norm(x.to(at::kFloat), {cols}, w.to(at::kFloat))));
+}
+
 // Rows so wide that the backward's fp64 block sums (2 blocks x 540000 columns x 8 B, 8.6 MB each)
 // are over the size the kernels keep between calls: they are released after each call and
 // allocated again by the next (the second call checks that), with the same results as ATen.

@@ -77,10 +77,11 @@ struct IsaTable {
   void (*to_float)(const void* src, DType t, float* dst, int64_t n);
   /// n fp32 values of src into dst, stored as t (rounded to nearest even).
   void (*from_float)(const float* src, DType t, void* dst, int64_t n);
-  /// Rows [begin, end) of a LayerNorm/RMSNorm forward (see NormForwardArgs). w, b: fp32 copies
-  /// [cols] or null. scratch: 2 regions of norm_scratch_stride(cols) floats.
-  void (*norm_forward_rows)(const NormForwardArgs& a, int64_t begin, int64_t end, const float* w,
-                            const float* b, float* scratch);
+  /// Rows [begin, end) of a LayerNorm/RMSNorm forward (see NormForwardArgs). w, b: [cols] or
+  /// null, stored as `wb`: fp32 (copies, or the parameters in place), or bf16 (the parameters in
+  /// place; only with bf16 x and y). scratch: 2 regions of norm_scratch_stride(cols) floats.
+  void (*norm_forward_rows)(const NormForwardArgs& a, int64_t begin, int64_t end, const void* w,
+                            const void* b, DType wb, float* scratch);
   /// A block of rows of the backward (see NormBackwardArgs, NormBackwardBlock).
   void (*norm_backward_block)(const NormBackwardArgs& a, const NormBackwardBlock& block);
 };

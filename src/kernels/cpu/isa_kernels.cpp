@@ -674,8 +674,8 @@ void prefetch_next_row(const void* row, DType t, int64_t cols) {
 }
 
 // y = (x - mean) * rstd [* w] [+ b] over n elements (either of w and b may be absent).
-template <class TX, class TY>
-void norm_output(const TX* __restrict x, const float* __restrict w, const float* __restrict b,
+template <class TX, class TY, class TW>
+void norm_output(const TX* __restrict x, const TW* __restrict w, const TW* __restrict b,
                  TY* __restrict y, int64_t n, float mean, float rstd) {
   auto rows = [&](auto has_w, auto has_b) {
     for_each_out<TY>(n, [&](auto z, int64_t i) {
@@ -739,10 +739,10 @@ constexpr DType dtype_of() {
 
 // Rows [begin, end) of a forward. The loop over rows lives here, with every storage dispatch
 // hoisted out of it, so that short rows cost no indirect call each and one row's reduction trees
-// can overlap the next row's loads.
-template <class XS, class YS>
-void forward_rows(const NormForwardArgs& a, int64_t begin, int64_t end, const float* w,
-                  const float* b, float* scratch) {
+// can overlap the next row's loads. TW: the parameters' storage, float or uint16_t (bf16).
+template <class XS, class YS, class TW>
+void forward_rows(const NormForwardArgs& a, int64_t begin, int64_t end, const TW* w, const TW* b,
+                  float* scratch) {
   const int64_t cols = a.cols;
   for (int64_t r = begin; r < end; ++r) {
     const stored_t<XS>* xs = static_cast<const stored_t<XS>*>(a.x) + r * cols;
@@ -767,11 +767,17 @@ void forward_rows(const NormForwardArgs& a, int64_t begin, int64_t end, const fl
   }
 }
 
-void norm_forward_rows(const NormForwardArgs& a, int64_t begin, int64_t end, const float* w,
-                       const float* b, float* scratch) {
+void norm_forward_rows(const NormForwardArgs& a, int64_t begin, int64_t end, const void* w,
+                       const void* b, DType wb, float* scratch) {
+  if (wb == DType::kBFloat16) {
+    forward_rows<uint16_t, uint16_t>(a, begin, end, static_cast<const uint16_t*>(w),
+                                     static_cast<const uint16_t*>(b), scratch);
+    return;
+  }
   with_storage(a.x_dtype, [&](auto xs) {
     with_storage(a.y_dtype, [&](auto ys) {
-      forward_rows<decltype(xs), decltype(ys)>(a, begin, end, w, b, scratch);
+      forward_rows<decltype(xs), decltype(ys)>(a, begin, end, static_cast<const float*>(w),
+                                               static_cast<const float*>(b), scratch);
     });
   });
 }
