@@ -93,13 +93,22 @@ inline uint16_t bf16_round(float f) {
   return static_cast<uint16_t>(nan ? 0x7fc0u : rounded);
 }
 
-// Sixteen fp32 lanes as one value (GCC's vector extension: one AVX-512 register, two AVX2 or four
-// SSE ones). The row reductions are written on it rather than left to the auto-vectorizer, which
-// vectorized some of them across the outer loop (strided lanes: twice as slow on short rows).
-typedef float Lanes __attribute__((vector_size(64)));
-typedef uint32_t Lanes32 __attribute__((vector_size(64)));
-typedef uint16_t Lanes16 __attribute__((vector_size(32)));
+// One vector register of fp32 lanes as one value (GCC's vector extension): sixteen lanes on
+// AVX-512, eight on AVX2, four on the SSE2 baseline. The row reductions are written on it rather
+// than left to the auto-vectorizer, which vectorized some of them across the outer loop (strided
+// lanes: twice as slow on short rows). Never wider than the ISA's register: GCC lowers a 64-byte
+// value on AVX2 through the stack and general registers (vpinsrq, spills), and the AVX2 LayerNorm
+// forward then ran at 0.6x ATen's, slower than the baseline build (a Zen 3 VM, rows in L1).
+#if defined(__AVX512F__)
 constexpr int kVec = 16;
+#elif defined(__AVX2__)
+constexpr int kVec = 8;
+#else
+constexpr int kVec = 4;
+#endif
+typedef float Lanes __attribute__((vector_size(4 * kVec)));
+typedef uint32_t Lanes32 __attribute__((vector_size(4 * kVec)));
+typedef uint16_t Lanes16 __attribute__((vector_size(2 * kVec)));
 
 inline float get(const float* p, int64_t i) { return p[i]; }
 inline float get(const uint16_t* p, int64_t i) { return bf16_bits_to_float(p[i]); }
@@ -548,10 +557,11 @@ void novograd_chunk(const Span& s, const NovoGradChunk& a) {
 // bits, which are widened and rounded in registers (a bf16 row is never copied into an fp32 row).
 // fp16 rows are converted into an fp32 scratch row first and take the float path.
 
-// Row reductions keep kLanes independent fp32 partial sums (four vector registers on AVX-512,
-// eight on AVX2), so the adds pipeline instead of waiting on one register; the partials are
-// combined by a pairwise tree in a fixed order.
-constexpr int kLanes = 64;
+// Row reductions keep kLanes independent fp32 partial sums (four vector registers, whatever the
+// ISA: the two sums of shifted_sums then take eight of AVX2's sixteen), so the adds pipeline
+// instead of waiting on one register; the partials are combined by a pairwise tree in a fixed
+// order.
+constexpr int kLanes = 4 * kVec;
 
 // Pairwise tree over the partials (halves added element-wise, so it vectorizes); fixed order.
 // Each level has a compile-time width, so the whole tree unrolls into a few vector adds.
@@ -638,10 +648,11 @@ float row_reduce(const T* __restrict x, int64_t n, float c) {
 template <class T>
 std::pair<float, float> row_moments(const T* __restrict x, int64_t n, bool rms) {
   const float inv_n = 1.0f / static_cast<float>(n);
-  if (!rms && n >= 4 * kLanes) {
-    Lanes pilot[1] = {get_lanes(x) + get_lanes(x + kVec) + get_lanes(x + 2 * kVec) +
-                      get_lanes(x + 3 * kVec)};
-    const float k = combine(pilot) * (1.0f / kLanes);
+  constexpr int kPilot = 64;  // the elements k is the mean of (whatever the ISA)
+  if (!rms && n >= 4 * kPilot) {
+    Lanes pilot[1] = {get_lanes(x)};
+    for (int i = kVec; i < kPilot; i += kVec) pilot[0] += get_lanes(x + i);
+    const float k = combine(pilot) * (1.0f / kPilot);
     const auto [s1, s2] = shifted_sums<kLanes / kVec>(x, n, k);
     const float m = s1 * inv_n;
     const float var = s2 * inv_n - m * m;
@@ -688,6 +699,11 @@ inline W mul_add(W a, W b, W c) {
   if constexpr (std::is_same_v<W, Lanes>) {
     return reinterpret_cast<Lanes>(
         _mm512_fmadd_ps(static_cast<__m512>(a), static_cast<__m512>(b), static_cast<__m512>(c)));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<W, Lanes>) {
+    return reinterpret_cast<Lanes>(
+        _mm256_fmadd_ps(static_cast<__m256>(a), static_cast<__m256>(b), static_cast<__m256>(c)));
   }
 #endif
   return a * b + c;
