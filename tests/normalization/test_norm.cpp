@@ -186,6 +186,54 @@ TEST(FusedNorm, MemoryEfficientSavesTheOutput) {
   EXPECT_TRUE(throws_with([&] { y.sum().backward(); }, "modified by an inplace operation"));
 }
 
+// The norms' own autograd node behaves as LibTorch's: named, guarded against changes to what it
+// saved, freed after one backward unless the graph is retained, and computing only the gradients
+// asked for (frozen parameters, autograd::grad of one input) with the same values.
+TEST(FusedNorm, AutogradNodeBehavesAsLibTorchs) {
+  const auto x = at::randn({6, 40}).set_requires_grad(true);
+  const auto w = (at::rand({40}) + 0.5).set_requires_grad(true);
+  const auto b = at::randn({40}).set_requires_grad(true);
+  const auto dy = at::randn({6, 40});
+  EXPECT_EQ(fused_layer_norm(x, {40}, w, b).grad_fn()->name(), "FusedLayerNormBackward");
+  EXPECT_EQ(fused_rms_norm(x, {40}, w).grad_fn()->name(), "FusedRMSNormBackward");
+
+  // Modifying the saved input in place is caught.
+  auto x2 = x * 1.0;
+  auto y2 = fused_layer_norm(x2, {40}, w, b);
+  x2.mul_(2.0);
+  EXPECT_TRUE(throws_with([&] { y2.backward(dy); }, "modified by an inplace operation"));
+
+  // One backward frees what was saved; retain_graph keeps it, and gradients accumulate.
+  auto y = fused_layer_norm(x, {40}, w, b);
+  y.backward(dy, /*retain_graph=*/true);
+  const auto gx = x.grad().clone();
+  const auto gw = w.grad().clone();
+  const auto gb = b.grad().clone();
+  y.backward(dy);
+  EXPECT_TRUE(at::allclose(x.grad(), 2 * gx));
+  EXPECT_TRUE(at::allclose(w.grad(), 2 * gw));
+  EXPECT_TRUE(throws_with([&] { y.backward(dy); }, "backward through the graph a second time"));
+  const auto xr = x.detach().set_requires_grad(true);
+  const auto ref = at::layer_norm(xr, {40}, w.detach(), b.detach());
+  EXPECT_TRUE(at::allclose(torch::autograd::grad({ref}, {xr}, {dy})[0], gx, 1e-4, 1e-5));
+
+  // Gradients of some inputs only: equal to the full backward's.
+  for (const bool frozen_w : {true, false}) {
+    const auto w2 = w.detach().set_requires_grad(!frozen_w);
+    const auto xs = x.detach().set_requires_grad(true);
+    auto out = fused_layer_norm(xs, {40}, w2, b.detach());
+    const auto g = torch::autograd::grad({out}, {frozen_w ? xs : w2}, {dy});
+    EXPECT_TRUE(at::allclose(g[0], frozen_w ? gx : gw, 1e-5, 1e-6)) << frozen_w;
+  }
+  const auto xs = x.detach().set_requires_grad(true);
+  const auto wf = w.detach();  // frozen
+  const auto bs = b.detach().set_requires_grad(true);
+  fused_layer_norm(xs, {40}, wf, bs).backward(dy);
+  EXPECT_FALSE(wf.grad().defined());
+  EXPECT_TRUE(at::allclose(xs.grad(), gx, 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(bs.grad(), gb, 1e-5, 1e-6));
+}
+
 // Numerical gradient check in float64 (the ATen float64 path runs the kernels' formulas), and a
 // directional finite-difference check of the fp32 kernels themselves.
 TEST(FusedNorm, GradcheckFloat64) {
