@@ -129,6 +129,11 @@ inline Lanes get_lanes(const uint16_t* p) {
       _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
       16);
   return reinterpret_cast<Lanes>(u);
+#elif defined(__AVX2__)
+  // Likewise: GCC 12 widens the generic form with two 4-lane vpmovzxwd, a byte shift and an
+  // insert.
+  return reinterpret_cast<Lanes>(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 #else
   Lanes16 h;
   std::memcpy(&h, p, sizeof h);
@@ -173,6 +178,28 @@ inline Lanes16 bf16_round_lanes(Lanes v) {
   if (__builtin_expect(odd == 0, 1)) return reinterpret_cast<Lanes16>(hw);
   return reinterpret_cast<Lanes16>(
       _mm256_mask_blend_epi16(odd, hw, reinterpret_cast<__m256i>(bf16_round_bits(v))));
+}
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2 has no rounding instruction, but the bit arithmetic written with intrinsics costs 9
+// instructions per 8 lanes, where GCC's vectorization of bf16_round spent 11 and a half (the NaN
+// test as and/min/compare/blend instead of one unordered compare and a blend, a mask before the
+// pack that the unsigned pack does not need). With the widening load below, bf16 LayerNorm on one
+// core of a Zen 3 VM, rows in cache (8x8192, 64x4096, 256x1024): forward 0.53 -> 0.42 ns per
+// element, backward 0.81-0.93 -> 0.63-0.74 (fp32: 0.24 and 0.52-0.54, unchanged). Exact for every
+// input, so usable whatever MXCSR holds.
+constexpr bool kHwBf16 = true;
+inline bool hw_bf16_usable() { return true; }
+inline Lanes16 bf16_round_lanes(Lanes v) {
+  const auto f = static_cast<__m256>(v);
+  const auto u = reinterpret_cast<__m256i>(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+  const __m256i bits = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+  // Every lane is below 2^16, so the signed-to-unsigned saturating pack keeps it exactly.
+  return reinterpret_cast<Lanes16>(
+      _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
 }
 #else
 constexpr bool kHwBf16 = false;
