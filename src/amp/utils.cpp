@@ -1,8 +1,18 @@
 #include <apex/amp/utils.h>
 
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/randn.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/optim/optimizer.h>
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <map>
+#include <mutex>
 
 namespace apex::amp {
 namespace {
@@ -25,7 +35,38 @@ void cast_own_tensors(torch::nn::Module& m, c10::ScalarType dtype) {
   }
 }
 
+// Best of three timed runs of a 128^3 matmul in `dtype` (after one untimed), in seconds.
+double matmul_seconds(c10::ScalarType dtype) {
+  const at::Tensor a = at::randn({128, 128}).to(dtype);
+  const at::Tensor b = at::randn({128, 128}).to(dtype);
+  double best = std::numeric_limits<double>::infinity();
+  for (int i = 0; i < 4; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const at::Tensor c = at::matmul(a, b);
+    const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+    if (i > 0) best = std::min(best, dt.count());
+  }
+  return best;
+}
+
 }  // namespace
+
+double cpu_half_matmul_speed(c10::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
+              "apex::amp::cpu_half_matmul_speed: expected Half or BFloat16, got ", dtype);
+  static std::mutex mutex;
+  static std::map<c10::ScalarType, double> measured;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto it = measured.find(dtype);
+  if (it != measured.end()) return it->second;
+  const torch::NoGradGuard no_grad;
+  // The caller's autocast must not turn the fp32 reference into a bf16 matmul.
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      c10::DispatchKeySet(c10::DispatchKey::AutocastCPU));
+  const double speed = matmul_seconds(at::kFloat) / matmul_seconds(dtype);
+  measured.emplace(dtype, speed);
+  return speed;
+}
 
 bool is_affine_batchnorm(const torch::nn::Module& module) {
   return affine_bn_as<torch::nn::BatchNorm1dImpl>(module) ||

@@ -2,6 +2,7 @@
 
 #include <apex/amp/utils.h>
 
+#include <chrono>
 #include <set>
 
 using apex::amp::Amp;
@@ -324,4 +325,48 @@ TEST(AmpTraining, DisabledHandleIsPlainTraining) {
   EXPECT_EQ(b->fc1->weight.scalar_type(), at::kFloat);
   EXPECT_EQ(train_side_by_side(a, oa, b, amp, 3), 3);
   EXPECT_TRUE(all_equal(a->parameters(), b->parameters()));
+}
+
+// The probe of LibTorch's half-precision matmul speed on this CPU: it classifies the machine as a
+// direct timing of larger matmuls does (the two classes lie ~50x apart: ~0.02 on AVX2-only CPUs,
+// ~1 or more with AVX-512/AVX512-BF16/AMX), is measured once, and initialize warns exactly where it
+// is slow.
+TEST(AmpCpu, HalfMatmulSpeedProbe) {
+  EXPECT_TRUE(throws_with([] { apex::amp::cpu_half_matmul_speed(at::kFloat); },
+                          "expected Half or BFloat16, got Float"));
+  const double speed = apex::amp::cpu_half_matmul_speed(at::kBFloat16);
+  ASSERT_TRUE(std::isfinite(speed) && speed > 0.0) << speed;
+  EXPECT_EQ(apex::amp::cpu_half_matmul_speed(at::kBFloat16), speed);
+  const auto seconds = [](at::ScalarType t) {
+    const at::Tensor a = at::randn({256, 256}).to(t);
+    double best = 1e30;
+    for (int i = 0; i < 3; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const at::Tensor c = at::matmul(a, a);
+      best = std::min(best,
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return best;
+  };
+  const double direct = seconds(at::kFloat) / seconds(at::kBFloat16);
+  if (speed < 0.25) {
+    EXPECT_LT(direct, 0.5) << speed;
+  } else {
+    EXPECT_GT(direct, 0.125) << speed;
+  }
+
+  struct Capture : c10::WarningHandler {
+    std::vector<std::string> messages;
+    void process(const c10::Warning& w) override { messages.push_back(w.msg()); }
+  } capture;
+  const c10::WarningUtils::WarningHandlerGuard guard(&capture);
+  Mlp model(16, 64, 4);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  auto amp = apex::amp::initialize(model, opt,
+                                   Options(OptLevel::O2).half_dtype(at::kBFloat16).verbosity(1));
+  bool warned = false;
+  for (const auto& m : capture.messages) {
+    warned = warned || m.find("O2 computes matmuls in BFloat16") != std::string::npos;
+  }
+  EXPECT_EQ(warned, speed < 0.25) << speed;
 }

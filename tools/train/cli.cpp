@@ -1,11 +1,14 @@
 #include "train/cli.h"
 
+#include <apex/amp/utils.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <iomanip>
 #include <set>
+#include <sstream>
 
 namespace apex::train {
 namespace {
@@ -45,7 +48,8 @@ const std::vector<std::string> kData = {"shapes", "tokens", "tones", "mnist", "c
 std::string usage() {
   return R"(usage: apex-train [options]
 Trains a model with apex-cpp's mixed precision, one opt level or several side by side.
-With no options: --model transformer --compare O0,O1,O2 on built-in token data (~2 min on 2 cores).
+With no options: --model transformer --compare O0,O1,O2 on built-in token data (~2 min on 2 cores;
+O0 alone, saying why, on a CPU where LibTorch multiplies bf16 matrices slowly: no AVX-512).
 
 model and data
   --model NAME          mlp | resnet | transformer | wav2vec2 (default transformer)
@@ -215,8 +219,25 @@ Cli parse_cli(const std::vector<std::string>& args) {
   }
   TORCH_CHECK(!(level_set && !cli.compare.empty()),
               "apex-train: give either --opt-level or --compare, not both");
-  if (!level_set && cli.compare.empty()) cli.compare = {"O0", "O1", "O2"};
   if (!half_set && o.device.is_cuda()) o.half_dtype = c10::kHalf;
+  if (!level_set && cli.compare.empty()) {
+    cli.compare = {"O0", "O1", "O2"};
+    // On a CPU where LibTorch multiplies the half dtype in a scalar loop, O1 and O2 would take an
+    // hour where O0 takes minutes: the default then runs O0 alone and says why.
+    if (o.device.is_cpu()) {
+      const double speed = apex::amp::cpu_half_matmul_speed(o.half_dtype);
+      if (speed < 0.25) {
+        cli.compare = {"O0"};
+        std::ostringstream note;
+        note << "apex-train: O1 and O2 left out of the default comparison: LibTorch multiplies "
+             << (o.half_dtype == c10::kBFloat16 ? "bf16" : "fp16") << " matrices at "
+             << std::setprecision(2) << speed
+             << "x its fp32 speed on this CPU (it has no AVX512-BF16, AMX or AVX-512), so they "
+                "would train tens of times slower than O0; --compare O0,O1,O2 runs them anyway";
+        cli.note = note.str();
+      }
+    }
+  }
   TORCH_CHECK(!o.resume || !o.checkpoint.empty(), "apex-train: --resume needs --checkpoint DIR");
   TORCH_CHECK(o.steps == 0 || o.epochs == 0, "apex-train: give either --steps or --epochs");
   if (o.steps == 0 && o.epochs == 0) {

@@ -15,6 +15,8 @@ struct Cli {
   std::string plot;                  ///< SVG path
   std::string summary_out;           ///< (internal) where a --compare child writes its summary
   bool help = false;
+  /// Said before training when the built-in default was narrowed (see parse_cli); else empty.
+  std::string note;
   /// The arguments every --compare child gets (all but --compare/--opt-level/--plot/--metrics/
   /// --checkpoint, which the parent sets per level).
   std::vector<std::string> child_args;

@@ -133,6 +133,7 @@ int main(int argc, char** argv) {
       std::printf("%s", apex::train::usage().c_str());
       return 0;
     }
+    if (!cli.note.empty()) std::printf("%s\n\n", cli.note.c_str());
     return run(cli);
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "%s\n", e.what_without_backtrace());
