@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 
 #include <array>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -154,6 +155,7 @@ struct NormBackward : public torch::autograd::Node {
   int64_t cols = 0;
   at::ScalarType x_dtype = at::kFloat;
   at::ScalarType w_dtype = at::kFloat;  // the weight's, or the bias's when there is no weight
+  at::ScalarType b_dtype = at::kFloat;  // the bias's (differs from the weight's on float64 only)
   std::vector<int64_t> shape;           // normalized_shape: dw and db's
   SavedVariable src;                    // x, or y when memory-efficient (x_hat from the output)
   SavedVariable w;
@@ -164,7 +166,10 @@ struct NormBackward : public torch::autograd::Node {
   std::string name() const override {
     return rms ? "FusedRMSNormBackward" : "FusedLayerNormBackward";
   }
+  // Both lock the node's mutex, as LibTorch's own nodes do: two threads may run backward through
+  // one graph, one of them releasing what the other unpacks.
   void release_variables() override {
+    const std::lock_guard<std::mutex> lock(mutex_);
     for (SavedVariable* v : {&src, &w, &b, &mean, &rstd}) v->reset_data();
   }
   variable_list apply(variable_list&& grads) override;
@@ -173,6 +178,7 @@ struct NormBackward : public torch::autograd::Node {
 variable_list NormBackward::apply(variable_list&& grads) {
   TORCH_CHECK(!at::GradMode::is_enabled(),
               "FusedLayerNorm/FusedRMSNorm: double backward is not supported");
+  const std::lock_guard<std::mutex> lock(mutex_);
   // No gradient reached the output (it did not contribute to what is differentiated): none
   // flows on, as for LibTorch's own nodes.
   if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
@@ -252,13 +258,13 @@ variable_list NormBackward::apply(variable_list&& grads) {
       if (db.defined()) db.zero_();
     }
   }
-  // [cols] in the parameters' dtype and shape (no-ops where they already are).
-  const auto as_param = [&](const at::Tensor& t) {
+  // [cols] in its parameter's dtype and shape (no-ops where they already are).
+  const auto as_param = [&](const at::Tensor& t, at::ScalarType dtype) {
     if (!t.defined()) return t;
     const at::Tensor v = t.dim() == static_cast<int64_t>(shape.size()) ? t : t.view(shape);
-    return v.scalar_type() == w_dtype ? v : v.to(w_dtype);
+    return v.scalar_type() == dtype ? v : v.to(dtype);
   };
-  return {dx, as_param(dw), as_param(db)};
+  return {dx, as_param(dw, w_dtype), as_param(db, b_dtype)};
 }
 
 // A new node owned as the LibTorch in use owns them: c10::intrusive_ptr from 2.12 on,
@@ -300,6 +306,7 @@ at::Tensor forward_with_graph(const at::Tensor& input, const at::Tensor& weight,
   node->cols = g.cols;
   node->x_dtype = x.scalar_type();
   node->w_dtype = w.defined() ? w.scalar_type() : b.defined() ? b.scalar_type() : at::kFloat;
+  node->b_dtype = b.defined() ? b.scalar_type() : node->w_dtype;
   node->shape.assign(x.sizes().end() - static_cast<int64_t>(g.shape_dims), x.sizes().end());
   // memory_efficient keeps the output (which the next layer usually keeps anyway) instead of
   // the input, and recomputes x_hat = (y - bias) / weight in the backward.

@@ -232,6 +232,15 @@ TEST(FusedNorm, AutogradNodeBehavesAsLibTorchs) {
   EXPECT_FALSE(wf.grad().defined());
   EXPECT_TRUE(at::allclose(xs.grad(), gx, 1e-5, 1e-6));
   EXPECT_TRUE(at::allclose(bs.grad(), gb, 1e-5, 1e-6));
+
+  // Each parameter's gradient in its own dtype: a float64 bias next to a float weight (the
+  // float64 path takes them) gets its float64 sum, not one rounded to float.
+  const auto x64 = x.detach().to(at::kDouble);
+  const auto b64 = b.detach().to(at::kDouble).set_requires_grad(true);
+  const auto dy64 = dy.to(at::kDouble) / 3.0;
+  fused_layer_norm(x64, {40}, w.detach(), b64).backward(dy64);
+  EXPECT_EQ(b64.grad().scalar_type(), at::kDouble);
+  EXPECT_TRUE(at::allclose(b64.grad(), dy64.sum(0), 1e-14, 0.0));
 }
 
 // Numerical gradient check in float64 (the ATen float64 path runs the kernels' formulas), and a
