@@ -399,7 +399,7 @@ namespace {
 
 // O1-O3 on a CPU without bf16/fp16 matrix instructions: LibTorch multiplies the half dtype in a
 // scalar loop there (1.1 GFLOP/s against 63 for fp32 on an AVX2 Zen 3), and the step runs tens of
-// times slower than at O0. Said once per process, with what was measured.
+// times slower than at O0. Said at each such initialize, with what was measured.
 void warn_if_half_matmuls_are_slow(const detail::AmpState& st) {
   const auto& p = st.props;
   const bool cast = p.cast_model_type && *p.cast_model_type != at::kFloat;
@@ -411,15 +411,11 @@ void warn_if_half_matmuls_are_slow(const detail::AmpState& st) {
   if (!on_cpu) return;
   const c10::ScalarType t = cast ? *p.cast_model_type : p.half_dtype;
   const double speed = cpu_half_matmul_speed(t);
-  static std::once_flag once;
   if (speed < 0.25) {
-    std::call_once(once, [&] {
-      TORCH_WARN("apex::amp: ", to_string(p.opt_level), " computes matmuls in ", t,
-                 ", which LibTorch runs at ", speed,
-                 "x its Float speed on this CPU (no bf16/fp16 matrix instructions: AVX512-BF16, "
-                 "AMX, or AVX-512 for oneDNN to emulate them), so training will be slower than at "
-                 "O0 here");
-    });
+    TORCH_WARN("apex::amp: ", to_string(p.opt_level), " computes matmuls in ", t,
+               ", which LibTorch runs at ", speed,
+               "x its Float speed on this CPU (it has fast ones only with AVX-512, AVX512-BF16 or "
+               "AMX), so training will be slower than at O0 here");
   }
 }
 

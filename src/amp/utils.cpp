@@ -1,7 +1,7 @@
 #include <apex/amp/utils.h>
 
+#include <ATen/ops/linspace.h>
 #include <ATen/ops/matmul.h>
-#include <ATen/ops/randn.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/module.h>
@@ -35,17 +35,25 @@ void cast_own_tensors(torch::nn::Module& m, c10::ScalarType dtype) {
   }
 }
 
-// Best of three timed runs of a 128^3 matmul in `dtype` (after one untimed), in seconds.
+// Seconds per call of a 128^3 matmul in `dtype`: the best of five batches, each of enough calls
+// to last ~2 ms, so that a moment descheduled on a busy machine does not decide the result.
+// Deterministic inputs: nothing is drawn from the global generator, whose sequence the caller's
+// seeded code may depend on.
 double matmul_seconds(c10::ScalarType dtype) {
-  const at::Tensor a = at::randn({128, 128}).to(dtype);
-  const at::Tensor b = at::randn({128, 128}).to(dtype);
+  const at::Tensor a = at::linspace(-1.0, 1.0, 128 * 128).view({128, 128}).to(dtype);
+  const at::Tensor b = a.t().contiguous();
+  using Clock = std::chrono::steady_clock;
+  const auto batch = [&](int64_t calls) {
+    const auto t0 = Clock::now();
+    for (int64_t i = 0; i < calls; ++i) at::matmul(a, b);
+    return std::chrono::duration<double>(Clock::now() - t0).count() / static_cast<double>(calls);
+  };
+  // Doubled until a batch lasts 2 ms (its first, short batches are the untimed warm-up: thread
+  // pool start, first-call costs).
+  int64_t calls = 1;
+  while (calls < 4096 && batch(calls) * static_cast<double>(calls) < 2e-3) calls *= 2;
   double best = std::numeric_limits<double>::infinity();
-  for (int i = 0; i < 4; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const at::Tensor c = at::matmul(a, b);
-    const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
-    if (i > 0) best = std::min(best, dt.count());
-  }
+  for (int i = 0; i < 5; ++i) best = std::min(best, batch(calls));
   return best;
 }
 

@@ -337,16 +337,17 @@ TEST(AmpCpu, HalfMatmulSpeedProbe) {
   const double speed = apex::amp::cpu_half_matmul_speed(at::kBFloat16);
   ASSERT_TRUE(std::isfinite(speed) && speed > 0.0) << speed;
   EXPECT_EQ(apex::amp::cpu_half_matmul_speed(at::kBFloat16), speed);
+  // 256^3, per call: the best of three batches of enough calls to last ~5 ms.
   const auto seconds = [](at::ScalarType t) {
     const at::Tensor a = at::randn({256, 256}).to(t);
-    double best = 1e30;
-    for (int i = 0; i < 3; ++i) {
+    const auto batch = [&](int calls) {
       const auto t0 = std::chrono::steady_clock::now();
-      const at::Tensor c = at::matmul(a, a);
-      best = std::min(best,
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    return best;
+      for (int i = 0; i < calls; ++i) at::matmul(a, a);
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / calls;
+    };
+    int calls = 1;
+    while (calls < 4096 && batch(calls) * calls < 5e-3) calls *= 2;
+    return std::min({batch(calls), batch(calls), batch(calls)});
   };
   const double direct = seconds(at::kFloat) / seconds(at::kBFloat16);
   if (speed < 0.25) {

@@ -232,8 +232,9 @@ Cli parse_cli(const std::vector<std::string>& args) {
         note << "apex-train: O1 and O2 left out of the default comparison: LibTorch multiplies "
              << (o.half_dtype == c10::kBFloat16 ? "bf16" : "fp16") << " matrices at "
              << std::setprecision(2) << speed
-             << "x its fp32 speed on this CPU (it has no AVX512-BF16, AMX or AVX-512), so they "
-                "would train tens of times slower than O0; --compare O0,O1,O2 runs them anyway";
+             << "x its fp32 speed on this CPU (it has fast ones only with AVX-512, AVX512-BF16 "
+                "or AMX), so they would train tens of times slower than O0; --compare O0,O1,O2 "
+                "runs them anyway";
         cli.note = note.str();
       }
     }

@@ -28,11 +28,12 @@ void convert_network(torch::nn::Module& module, c10::ScalarType dtype);
 std::vector<at::Tensor> master_params(const torch::optim::Optimizer& optimizer);
 
 /// How fast LibTorch multiplies `dtype` (Half or BFloat16) matrices on this machine's CPU,
-/// relative to fp32: a 128x128 by 128x128 matmul of each, timed once per process and dtype (a few
-/// milliseconds at most, autocast off). About 1 or more on CPUs with bf16/fp16 matrix instructions
-/// (AVX512-BF16, AMX) or where oneDNN emulates them (AVX-512); about 0.02 on AVX2-only CPUs, where
-/// LibTorch multiplies bf16 and fp16 in a scalar loop. Mixed precision on the CPU trains faster
-/// than fp32 only where this is well above 1; `initialize` warns when it is below 0.25.
+/// relative to fp32: a 128x128 by 128x128 matmul of each, timed once per process and dtype (about
+/// 30 ms where the half dtype is slow, autocast off, nothing drawn from the random generators).
+/// About 1 or more on CPUs with bf16/fp16 matrix instructions (AVX512-BF16, AMX) or where oneDNN
+/// emulates them (AVX-512); about 0.02 on AVX2-only CPUs, where LibTorch multiplies bf16 and fp16
+/// in a scalar loop. Mixed precision on the CPU trains faster than fp32 only where this is well
+/// above 1; `initialize` warns when it is below 0.25.
 double cpu_half_matmul_speed(c10::ScalarType dtype);
 
 }  // namespace apex::amp

@@ -153,7 +153,7 @@ inline Lanes16 bf16_round_bits(Lanes v) {
   return __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? nan_value : rounded, Lanes16);
 }
 
-// With AVX512-BF16 (kHwBf16) one instruction rounds sixteen lanes to nearest even, in place of
+// With AVX512-BF16 (kLanesBf16) one instruction rounds sixteen lanes to nearest even, in place of
 // the ten or so of the bit arithmetic (one core, rows in L2: the bf16 LayerNorm forward took
 // 0.083-0.097 ns per element instead of 0.125, its backward 0.184 instead of 0.21; fp32's forward
 // takes 0.07-0.08). The instruction differs from bf16_round in two cases: it flushes denormal
@@ -161,10 +161,10 @@ inline Lanes16 bf16_round_bits(Lanes v) {
 // either are found by one class test and take the bit arithmetic, so the result is bf16_round's
 // bit for bit. The class test sees denormals as zeros when MXCSR.DAZ is set, so with DAZ on
 // (torch.set_flush_denormal, or a caller's own MXCSR) the loops keep to the bit arithmetic
-// (hw_bf16_usable).
+// (lanes_bf16_usable).
 #if defined(__AVX512BF16__)
-constexpr bool kHwBf16 = true;
-inline bool hw_bf16_usable() {
+constexpr bool kLanesBf16 = true;
+inline bool lanes_bf16_usable() {
   constexpr unsigned kDenormalsAreZero = 0x0040;
   return (_mm_getcsr() & kDenormalsAreZero) == 0;
 }
@@ -187,8 +187,8 @@ inline Lanes16 bf16_round_lanes(Lanes v) {
 // core of a Zen 3 VM, rows in cache (8x8192, 64x4096, 256x1024): forward 0.53 -> 0.42 ns per
 // element, backward 0.81-0.93 -> 0.63-0.74 (fp32: 0.24 and 0.52-0.54, unchanged). Exact for every
 // input, so usable whatever MXCSR holds.
-constexpr bool kHwBf16 = true;
-inline bool hw_bf16_usable() { return true; }
+constexpr bool kLanesBf16 = true;
+inline bool lanes_bf16_usable() { return true; }
 inline Lanes16 bf16_round_lanes(Lanes v) {
   const auto f = static_cast<__m256>(v);
   const auto u = reinterpret_cast<__m256i>(v);
@@ -202,8 +202,8 @@ inline Lanes16 bf16_round_lanes(Lanes v) {
       _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
 }
 #else
-constexpr bool kHwBf16 = false;
-inline bool hw_bf16_usable() { return false; }
+constexpr bool kLanesBf16 = false;
+inline bool lanes_bf16_usable() { return false; }
 inline Lanes16 bf16_round_lanes(Lanes v) { return bf16_round_bits(v); }
 #endif
 
@@ -232,17 +232,17 @@ inline void put_as(T* p, int64_t i, W v) {
 }
 
 // Runs body(W{}, i) for the elements [0, n) of a loop whose stores go to TO: one element at a
-// time (W = float), which the compiler vectorizes, except where TO is bf16 and the CPU rounds in
-// hardware (kHwBf16), which the compiler's vectorizer does not use: then Lanes steps first, and
-// elements for the tail. No iteration stores to what another iteration loads (outputs are
-// buffers of their own; the dw/db partials are read and written at the same index only), hence
-// ivdep: without it, GCC's runtime alias checks for the backward's ten pointers exceeded its
-// limit and left the fp32 loop scalar.
+// time (W = float), which the compiler vectorizes, except where TO is bf16 and this build rounds
+// Lanes by hand (kLanesBf16: AVX512-BF16's instruction, AVX2's intrinsics), which the compiler's
+// vectorizer would not produce: then Lanes steps first, and elements for the tail. No iteration
+// stores to what another iteration loads (outputs are buffers of their own; the dw/db partials are
+// read and written at the same index only), hence ivdep: without it, GCC's runtime alias checks for
+// the backward's ten pointers exceeded its limit and left the fp32 loop scalar.
 template <class TO, class F>
 __attribute__((always_inline)) inline void for_each_out(int64_t n, F&& body) {
   int64_t i = 0;
-  if constexpr (kHwBf16 && std::is_same_v<TO, uint16_t>) {
-    if (hw_bf16_usable()) {
+  if constexpr (kLanesBf16 && std::is_same_v<TO, uint16_t>) {
+    if (lanes_bf16_usable()) {
       for (; i + kVec <= n; i += kVec) body(Lanes{}, i);
     }
   }
@@ -602,7 +602,7 @@ __attribute__((always_inline)) inline float combine_tree(float* acc) {
   }
 }
 
-// The V registers of partials, pairwise, then their 16 lanes.
+// The V registers of partials, pairwise, then their kVec lanes.
 template <int V>
 __attribute__((always_inline)) inline float combine(Lanes (&acc)[V]) {
   for (int half = V / 2; half >= 1; half /= 2) {
