@@ -411,7 +411,7 @@ void warn_if_half_matmuls_are_slow(const detail::AmpState& st) {
   if (!on_cpu) return;
   const c10::ScalarType t = cast ? *p.cast_model_type : p.half_dtype;
   const double speed = cpu_half_matmul_speed(t);
-  if (speed < 0.25) {
+  if (speed < kSlowHalfMatmulSpeed) {
     TORCH_WARN("apex::amp: ", to_string(p.opt_level), " computes matmuls in ", t,
                ", which LibTorch runs at ", speed,
                "x its Float speed on this CPU (it has fast ones only with AVX-512, AVX512-BF16 or "

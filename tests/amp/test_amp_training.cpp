@@ -350,7 +350,7 @@ TEST(AmpCpu, HalfMatmulSpeedProbe) {
     return std::min({batch(calls), batch(calls), batch(calls)});
   };
   const double direct = seconds(at::kFloat) / seconds(at::kBFloat16);
-  if (speed < 0.25) {
+  if (speed < apex::amp::kSlowHalfMatmulSpeed) {
     EXPECT_LT(direct, 0.5) << speed;
   } else {
     EXPECT_GT(direct, 0.125) << speed;
@@ -369,5 +369,5 @@ TEST(AmpCpu, HalfMatmulSpeedProbe) {
   for (const auto& m : capture.messages) {
     warned = warned || m.find("O2 computes matmuls in BFloat16") != std::string::npos;
   }
-  EXPECT_EQ(warned, speed < 0.25) << speed;
+  EXPECT_EQ(warned, speed < apex::amp::kSlowHalfMatmulSpeed) << speed;
 }

@@ -76,7 +76,7 @@ TEST(TrainCli, DefaultsAndFlags) {
   const Cli d = parse_cli({});
   EXPECT_EQ(d.train.model.family, "transformer");
   // O0, O1, O2; O0 alone, with a note saying why, where this CPU multiplies bf16 slowly.
-  if (apex::amp::cpu_half_matmul_speed(c10::kBFloat16) >= 0.25) {
+  if (apex::amp::cpu_half_matmul_speed(c10::kBFloat16) >= apex::amp::kSlowHalfMatmulSpeed) {
     EXPECT_EQ(d.compare, (std::vector<std::string>{"O0", "O1", "O2"}));
     EXPECT_TRUE(d.note.empty());
   } else {

@@ -33,7 +33,11 @@ std::vector<at::Tensor> master_params(const torch::optim::Optimizer& optimizer);
 /// About 1 or more on CPUs with bf16/fp16 matrix instructions (AVX512-BF16, AMX) or where oneDNN
 /// emulates them (AVX-512); about 0.02 on AVX2-only CPUs, where LibTorch multiplies bf16 and fp16
 /// in a scalar loop. Mixed precision on the CPU trains faster than fp32 only where this is well
-/// above 1; `initialize` warns when it is below 0.25.
+/// above 1; `initialize` warns when it is below kSlowHalfMatmulSpeed.
 double cpu_half_matmul_speed(c10::ScalarType dtype);
+
+/// Below this cpu_half_matmul_speed, O1-O3 on the CPU are slower than O0: `initialize` warns and
+/// apex-train's default comparison runs O0 alone. The two classes of CPU lie ~50x apart.
+inline constexpr double kSlowHalfMatmulSpeed = 0.25;
 
 }  // namespace apex::amp
