@@ -157,7 +157,8 @@ TEST(MultiTensorMaxNorm, MatchesAbsMaxAndPropagatesNaN) {
 // fp32 to bf16 is c10::BFloat16's rounding bit for bit on every instruction set: ties to even,
 // denormals kept (AVX512-BF16's conversion flushes them), every NaN to 0x7fc0 (the instruction
 // keeps the sign and payload), overflow to infinity. The special values sit among ordinary ones,
-// once at the start (16-lane steps) and once at the end (the last of which are the scalar tail).
+// once at the start (the vector steps: 16 or 8 lanes by ISA) and once at the end (the last of which
+// are the scalar tail).
 TEST(MultiTensorScale, Bf16OutputsRoundAsC10) {
   const std::vector<uint32_t> special = {
       0x3f808000, 0x3f818000, 0x3f807fff, 0x3f808001, 0xbf818000,  // ties and near-ties

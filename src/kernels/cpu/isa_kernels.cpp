@@ -712,7 +712,7 @@ void prefetch_next_row(const void* row, DType t, int64_t cols) {
 }
 
 // a * b + c as one fused multiply-add where the ISA has one, written out so that every loop
-// computes it the same way: left to the compiler, the 16-lane loop and the scalar one were fused
+// computes it the same way: left to the compiler, the vector loop and the scalar one were fused
 // differently in the sanitizer build, and a bf16 output then differed from its fp32 twin by more
 // than the rounding (a small y = x_hat * w + b is a cancellation).
 template <class W>
