@@ -52,6 +52,7 @@ struct NormBackwardArgs {
   const void* b = nullptr;  ///< read only in memory-efficient mode
   const float* mean = nullptr;
   const float* rstd = nullptr;
+  /// Null (CPU backend only): dx is not wanted, and each row is read once for dw/db alone.
   void* dx = nullptr;
   void* dw = nullptr;  ///< [cols] in dwb_dtype, or null
   void* db = nullptr;

@@ -208,7 +208,12 @@ variable_list NormBackward::apply(variable_list&& grads) {
     dw = want_w ? r[1] : at::Tensor();
     db = want_b ? r[2] : at::Tensor();
   } else {
-    dx = at::empty(src_t.sizes(), src_t.options().dtype(x_dtype));
+    // A CPU backward whose input needs no gradient (a frozen input, or autograd::grad of the
+    // parameters alone) computes dw/db only: one read of each row instead of two passes and a
+    // write. The CUDA kernels always write dx.
+    if (task_should_compute_output(0) || src_t.is_cuda()) {
+      dx = at::empty(src_t.sizes(), src_t.options().dtype(x_dtype));
+    }
     // The CPU backend writes dw/db in the parameters' dtype; the CUDA one in fp32 (cast below).
     const auto dwb = src_t.options().dtype(src_t.is_cuda() ? at::kFloat : w_dtype);
     dw = want_w ? at::empty({cols}, dwb) : at::Tensor();
@@ -218,7 +223,7 @@ variable_list NormBackward::apply(variable_list&& grads) {
     a.rows = rows;
     a.cols = cols;
     a.rms = rms;
-    a.x_dtype = optim::detail::kernel_dtype(dx, who);
+    a.x_dtype = optim::detail::kernel_dtype(x_dtype, who);
     a.dy_dtype = optim::detail::kernel_dtype(dy, who);
     TORCH_CHECK(!memory_efficient || src_t.scalar_type() == dy.scalar_type(), who,
                 ": the gradient's dtype ", dy.scalar_type(), " differs from the output's ",
@@ -232,7 +237,7 @@ variable_list NormBackward::apply(variable_list&& grads) {
     a.b = b_t.defined() ? b_t.data_ptr() : nullptr;
     a.mean = rms || memory_efficient ? nullptr : mean_t.data_ptr<float>();
     a.rstd = rstd_t.data_ptr<float>();
-    a.dx = dx.data_ptr();
+    a.dx = dx.defined() ? dx.data_ptr() : nullptr;
     a.dw = dw.defined() ? dw.data_ptr() : nullptr;
     a.db = db.defined() ? db.data_ptr() : nullptr;
     if (dw.defined() || db.defined()) {
@@ -253,7 +258,7 @@ variable_list NormBackward::apply(variable_list&& grads) {
         kernels::cpu::norm_backward(a);
       }
     } else {
-      dx.zero_();
+      if (dx.defined()) dx.zero_();
       if (dw.defined()) dw.zero_();
       if (db.defined()) db.zero_();
     }

@@ -15,7 +15,11 @@
 namespace apex::optim::detail {
 
 kernels::DType kernel_dtype(const at::Tensor& t, const char* who) {
-  switch (t.scalar_type()) {
+  return kernel_dtype(t.scalar_type(), who);
+}
+
+kernels::DType kernel_dtype(at::ScalarType t, const char* who) {
+  switch (t) {
     case at::kFloat:
       return kernels::DType::kFloat32;
     case at::kHalf:
@@ -23,8 +27,7 @@ kernels::DType kernel_dtype(const at::Tensor& t, const char* who) {
     case at::kBFloat16:
       return kernels::DType::kBFloat16;
     default:
-      TORCH_CHECK(false, who, ": expected float32, float16 or bfloat16 tensors, got ",
-                  t.scalar_type());
+      TORCH_CHECK(false, who, ": expected float32, float16 or bfloat16 tensors, got ", t);
   }
 }
 

@@ -17,6 +17,7 @@ namespace apex::optim::detail {
 
 /// fp32, fp16 or bf16, else an error naming `who` and the dtype.
 kernels::DType kernel_dtype(const at::Tensor& t, const char* who);
+kernels::DType kernel_dtype(at::ScalarType t, const char* who);
 
 /// Owns the pointer arrays a kernels::TensorLists refers to.
 class ListBuilder {

@@ -243,6 +243,55 @@ TEST(FusedNorm, AutogradNodeBehavesAsLibTorchs) {
   EXPECT_TRUE(at::allclose(b64.grad(), dy64.sum(0), 1e-14, 0.0));
 }
 
+// An input that needs no gradient (frozen, or autograd::grad of the parameters alone): the CPU
+// backward reads each row once for dw/db and writes no dx. Its dw/db are the full backward's bit
+// for bit (the same terms in the same order), across the kernel's paths: short rows, rows with a
+// vector tail, paired wide rows, fp16 rows through scratch, several blocks and groups of rows,
+// memory-efficient mode.
+TEST(FusedNorm, FrozenInputGivesTheSameParameterGradients) {
+  auto gen = at::detail::createCPUGenerator(17);
+  for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (const auto& size :
+         std::vector<std::vector<int64_t>>{{1, 40}, {130, 40}, {3, 1000}, {70, 1000}, {6, 4096}}) {
+      for (const bool rms : {false, true}) {
+        for (const bool memory_efficient : {false, true}) {
+          const auto x = at::randn(size, gen).to(dtype);
+          const auto dy = at::randn(size, gen).to(dtype);
+          const auto w0 = (at::rand({size[1]}, gen) + 0.5).to(dtype);
+          const auto b0 = at::randn({size[1]}, gen).to(dtype);
+          auto run = [&](bool input_grad) {
+            const auto xi = x.detach().set_requires_grad(input_grad);
+            const auto w = w0.clone().set_requires_grad(true);
+            const auto b = b0.clone().set_requires_grad(true);
+            const auto y = rms ? fused_rms_norm(xi, {size[1]}, w, 1e-5, memory_efficient)
+                               : fused_layer_norm(xi, {size[1]}, w, b, 1e-5, memory_efficient);
+            y.backward(dy);
+            EXPECT_EQ(xi.grad().defined(), input_grad);
+            return std::pair{w.grad(), rms ? at::Tensor() : b.grad()};
+          };
+          const auto full = run(true);
+          const auto frozen = run(false);
+          const std::string what = std::string(c10::toString(dtype)) + " " +
+                                   std::to_string(size[0]) + "x" + std::to_string(size[1]) +
+                                   (rms ? " rms" : " ln") + (memory_efficient ? " mem-eff" : "");
+          EXPECT_TRUE(at::equal(frozen.first, full.first)) << what;
+          if (!rms) {
+            EXPECT_TRUE(at::equal(frozen.second, full.second)) << what;
+          }
+        }
+      }
+    }
+  }
+  // autograd::grad of the weight alone skips dx the same way.
+  const auto x = at::randn({5, 64}, gen).set_requires_grad(true);
+  const auto w = (at::rand({64}, gen) + 0.5).set_requires_grad(true);
+  const auto dy = at::randn({5, 64}, gen);
+  const auto gw = torch::autograd::grad({fused_rms_norm(x, {64}, w)}, {w}, {dy})[0];
+  const auto xr = x.detach().to(at::kDouble);
+  const auto ref = (dy.to(at::kDouble) * xr * (xr.pow(2).mean(-1, true) + 1e-5).rsqrt()).sum(0);
+  EXPECT_TRUE(at::allclose(gw.to(at::kDouble), ref, 1e-5, 1e-5));
+}
+
 // Numerical gradient check in float64 (the ATen float64 path runs the kernels' formulas), and a
 // directional finite-difference check of the fp32 kernels themselves.
 TEST(FusedNorm, GradcheckFloat64) {

@@ -969,6 +969,22 @@ inline void backward_out2(const BackwardRow& r, const RowCoef& c0, const RowCoef
   });
 }
 
+// dw/db of a row when dx is not wanted: one pass, no row sums. The same terms as the second pass
+// adds (backward_out), so the same bits.
+template <bool kFromOutput, class TS, class TD>
+inline void backward_params(const BackwardRow& r, float mean, float rstd, const TS* __restrict src,
+                            const TD* __restrict dy) {
+  float* __restrict dw = r.dw_part;
+  float* __restrict db = r.db_part;
+#pragma GCC ivdep
+  for (int64_t k = 0; k < r.cols; ++k) {
+    const float d = get(dy, k);
+    const float xh = x_hat<kFromOutput, float>(src, r.w, r.b, mean, rstd, k);
+    dw[k] = dw[k] + d * xh;
+    db[k] = db[k] + d;
+  }
+}
+
 void add_to_double(const float* __restrict src, double* __restrict dst, int64_t n, bool first) {
   if (first) {
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<double>(src[i]);
@@ -1001,7 +1017,8 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
   // lie just below dx's modulo 4 KB, their loads wait on the dx stores in flight (4K aliasing):
   // 1024-column fp32 rows ran 20 % slower or faster with where the heap had put dx. They are
   // placed half a page from the block's first dx row instead (the scratch has a page of slack).
-  float* const parts = std::is_same_v<OS, Half>
+  // (dx is null when only dw/db are wanted.)
+  float* const parts = std::is_same_v<OS, Half> || a.dx == nullptr
                            ? blk.scratch + 3 * stride
                            : half_a_page_from(blk.scratch + 3 * stride,
                                               static_cast<stored_t<OS>*>(a.dx) + blk.begin * cols);
@@ -1041,12 +1058,25 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
       kMayPair && cols * static_cast<int64_t>(sizeof(stored_t<SS>) + sizeof(stored_t<DS>) +
                                               sizeof(stored_t<OS>)) >=
                       kPairBytes;
-  for (int64_t r = blk.begin; r < blk.end;) {
+  auto start_group = [&](int64_t r) {
     if ((r - blk.begin) % kNormGroup == 0) {
       if (r != blk.begin) flush(r - blk.begin == kNormGroup);
       std::fill(row.dw_part, row.dw_part + cols, 0.0f);
       std::fill(row.db_part, row.db_part + cols, 0.0f);
     }
+  };
+  if (a.dx == nullptr) {
+    for (int64_t r = blk.begin; r < blk.end; ++r) {
+      start_group(r);
+      const float mean = a.rms || kFromOutput ? 0.0f : a.mean[r];
+      backward_params<kFromOutput>(row, mean, a.rstd[r], row_view<SS>(src_at(r), blk.scratch, cols),
+                                   row_view<DS>(dy_at(r), blk.scratch + stride, cols));
+    }
+    if (blk.end > blk.begin) flush(blk.end - blk.begin <= kNormGroup);
+    return;
+  }
+  for (int64_t r = blk.begin; r < blk.end;) {
+    start_group(r);
     if constexpr (kMayPair) {
       // Groups have an even number of rows, so a pair never straddles two.
       if (pairs && r + 1 < blk.end) {

@@ -172,6 +172,8 @@ void norm_backward(const NormBackwardArgs& a) {
     }
     return;
   }
+  const bool want = a.dw != nullptr || a.db != nullptr;
+  if (a.dx == nullptr && !want) return;
   const ReleaseAtEnd release;
   const bool from_output = a.y != nullptr;
   // The row kernel always multiplies by w; it reads b only to recompute x_hat from the output.
@@ -188,7 +190,6 @@ void norm_backward(const NormBackwardArgs& a) {
   const int64_t used = (a.rows + per_block - 1) / per_block;  // blocks with rows (<= blocks)
   const int64_t cols = a.cols;
   const int64_t sum_stride = (cols + 7) / 8 * 8;  // each block's sums start on a cache line
-  const bool want = a.dw != nullptr || a.db != nullptr;
   // Written by each block's first group (not added to), so not cleared here.
   double* const dw_sum = want ? workspace<double>(Slot::kWeightSums, used * sum_stride) : nullptr;
   double* const db_sum = want ? workspace<double>(Slot::kBiasSums, used * sum_stride) : nullptr;
