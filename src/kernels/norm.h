@@ -32,7 +32,8 @@ struct NormForwardArgs {
 /// Gradients of the forward above from dy and the saved x, mean, rstd:
 ///   x_hat = (x - mean) * rstd;  g = dy * w
 /// or, memory-efficient (y set, x and mean unused), from the saved output:
-///   x_hat = (y - b) / w   (b, w each optional)
+///   x_hat = (y - b) / w   (b, w each optional; w clamped by magnitude to at least eps, as apex
+///                          does, so that a zero weight gives x_hat = 0 rather than 0/0)
 ///   LayerNorm: dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat))
 ///   RMSNorm:   dx = rstd * (g - x_hat * mean(g * x_hat))
 ///   dw = sum over rows of dy * x_hat;  db = sum over rows of dy
@@ -42,6 +43,7 @@ struct NormBackwardArgs {
   int64_t rows = 0;
   int64_t cols = 0;
   bool rms = false;
+  float eps = 1e-5f;  ///< the forward's: memory-efficient mode divides by w clamped to |w| >= eps
   DType x_dtype = DType::kFloat32;   ///< x and dx
   DType dy_dtype = DType::kFloat32;  ///< the forward output's dtype: dy and y
   DType w_dtype = DType::kFloat32;   ///< w and b

@@ -151,6 +151,7 @@ struct NormBackward : public torch::autograd::Node {
   bool memory_efficient = false;
   bool f64 = false;
   bool has_bias = false;
+  double eps = 1e-5;  // memory-efficient: the weight is clamped to |w| >= eps to divide by it
   int64_t rows = 0;
   int64_t cols = 0;
   at::ScalarType x_dtype = at::kFloat;
@@ -199,7 +200,12 @@ variable_list NormBackward::apply(variable_list&& grads) {
     if (memory_efficient) {
       xh = d(src_t);
       if (b_t.defined()) xh = xh - d(b_t);
-      if (w_t.defined()) xh = xh / d(w_t);
+      if (w_t.defined()) {
+        // apex's clamp by magnitude (|w| < eps divides by eps of w's sign, +eps for zeros).
+        const at::Tensor wd = d(w_t);
+        const at::Tensor sign = at::where(wd < 0, -1.0, 1.0);
+        xh = xh / at::where(wd.abs() < eps, sign * eps, wd);
+      }
     } else {
       xh = (rms ? d(src_t) : d(src_t) - mean_t.view({-1, 1})) * rstd_t.view({-1, 1});
     }
@@ -223,6 +229,7 @@ variable_list NormBackward::apply(variable_list&& grads) {
     a.rows = rows;
     a.cols = cols;
     a.rms = rms;
+    a.eps = static_cast<float>(eps);
     a.x_dtype = optim::detail::kernel_dtype(x_dtype, who);
     a.dy_dtype = optim::detail::kernel_dtype(dy, who);
     TORCH_CHECK(!memory_efficient || src_t.scalar_type() == dy.scalar_type(), who,
@@ -307,6 +314,7 @@ at::Tensor forward_with_graph(const at::Tensor& input, const at::Tensor& weight,
   node->memory_efficient = f.memory_efficient;
   node->f64 = is_f64(x, w, b);
   node->has_bias = b.defined();
+  node->eps = eps;
   node->rows = g.rows;
   node->cols = g.cols;
   node->x_dtype = x.scalar_type();

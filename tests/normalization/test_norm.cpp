@@ -186,6 +186,58 @@ TEST(FusedNorm, MemoryEfficientSavesTheOutput) {
   EXPECT_TRUE(throws_with([&] { y.sum().backward(); }, "modified by an inplace operation"));
 }
 
+// memory_efficient divides y - b by the weight clamped by magnitude to at least eps, as apex does:
+// a zero weight (zero-initialised gains) gives finite gradients, not 0/0 in every row's dx. The
+// gradients equal a float64 backward from the same y with the same clamp.
+TEST(FusedNorm, MemoryEfficientClampsSmallWeightsAsApex) {
+  auto gen = at::detail::createCPUGenerator(23);
+  const double eps = 1e-5;
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    for (const bool rms : {false, true}) {
+      const auto x = at::randn({7, 96}, gen).to(dtype);
+      const auto dy = at::randn({7, 96}, gen).to(dtype);
+      auto w0 = at::rand({96}, gen) + 0.5;
+      w0[3] = 0.0;
+      w0[10] = 1e-7;
+      w0[20] = -0.0;
+      w0[30] = -1e-7;
+      w0[40] = -0.7;
+      const auto w = w0.to(dtype).set_requires_grad(true);
+      const auto b = at::randn({96}, gen).to(dtype).set_requires_grad(true);
+      const auto xi = x.detach().set_requires_grad(true);
+      const auto y = rms ? fused_rms_norm(xi, {96}, w, eps, true)
+                         : fused_layer_norm(xi, {96}, w, b, eps, true);
+      y.backward(dy);
+      const std::string what = std::string(c10::toString(dtype)) + (rms ? " rms" : " ln");
+      ASSERT_TRUE(xi.grad().isfinite().all().item<bool>()) << what;
+      ASSERT_TRUE(w.grad().isfinite().all().item<bool>()) << what;
+
+      const auto d = [](const at::Tensor& t) { return t.detach().to(at::kDouble); };
+      const auto x64 = d(x);
+      const auto xc = rms ? x64 : x64 - x64.mean(-1, true);
+      const auto rstd = (xc.square().mean(-1, true) + eps).rsqrt();
+      const auto w64 = d(w);
+      const auto wd = at::where(w64.abs() < eps, at::where(w64 < 0, -eps, eps), w64);
+      const auto xh = (rms ? d(y) : d(y) - d(b)) / wd;
+      const auto g = d(dy) * w64;
+      auto inner = g - xh * (g * xh).mean(-1, true);
+      if (!rms) inner = inner - g.mean(-1, true);
+      const auto dx_ref = rstd * inner;
+      const auto dw_ref = (d(dy) * xh).sum(0);
+      const double tol = dtype == at::kFloat ? 1e-4 : 2e-2;
+      auto close = [&](const at::Tensor& got, const at::Tensor& ref) {
+        return (d(got) - ref).abs().max().item<double>() <= tol * ref.abs().max().item<double>();
+      };
+      EXPECT_TRUE(close(xi.grad(), dx_ref)) << what;
+      EXPECT_TRUE(close(w.grad(), dw_ref)) << what;
+      // A zero weight's column: y = b there, so x_hat is 0 and so is its weight gradient.
+      if (dtype == at::kFloat) {
+        EXPECT_EQ(w.grad()[3].item<float>(), 0.0f) << what;
+      }
+    }
+  }
+}
+
 // The norms' own autograd node behaves as LibTorch's: named, guarded against changes to what it
 // saved, freed after one backward unless the graph is retained, and computing only the gradients
 // asked for (frozen parameters, autograd::grad of one input) with the same values.

@@ -71,6 +71,28 @@ TEST(NormCuda, MatchesCpu) {
   }
 }
 
+// memory_efficient with zero and tiny weights: the CUDA kernels clamp the divisor as the CPU ones
+// do (apex's clamp by magnitude), so both give the same finite gradients.
+TEST(NormCuda, MemoryEfficientClampsSmallWeights) {
+  APEX_REQUIRE_CUDA();
+  auto gen = at::detail::createCPUGenerator(29);
+  for (bool rms : {false, true}) {
+    auto x = at::randn({9, 1000}, gen);
+    auto w = at::rand({1000}, gen) + 0.5;
+    w[3] = 0.0;
+    w[10] = 1e-7;
+    w[20] = -1e-7;
+    auto b = rms ? at::Tensor() : at::randn({1000}, gen);
+    auto dy = at::randn({9, 1000}, gen);
+    const NormRun c = run_norm(x, w, b, dy, at::kCPU, rms, true);
+    const NormRun g = run_norm(x, w, b, dy, at::kCUDA, rms, true);
+    ASSERT_TRUE(c.dx.isfinite().all().item<bool>());
+    const Tolerance tol = tolerance_for(at::kFloat);
+    EXPECT_TRUE(all_close(g.dx, c.dx, {tol.rtol, std::max(tol.atol, 4 * tol.rtol)})) << rms;
+    EXPECT_TRUE(all_close(g.dw, c.dw, {tol.rtol, tol.rtol * 12})) << rms;
+  }
+}
+
 // The mixed variants on CUDA: fp32 output from bf16 input, gradients in each tensor's dtype.
 TEST(NormCuda, MixedAndDeterministic) {
   APEX_REQUIRE_CUDA();

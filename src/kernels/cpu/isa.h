@@ -52,11 +52,12 @@ inline int64_t norm_scratch_stride(int64_t cols) {
 struct NormBackwardBlock {
   int64_t begin = 0;
   int64_t end = 0;
-  const float* w = nullptr;  ///< fp32 [cols]: ones when the norm has none
-  const float* b = nullptr;  ///< fp32 [cols], from the output only (zeros if no bias); else null
-  float* scratch = nullptr;  ///< 5 regions of norm_scratch_stride(cols) floats, then 1024 more
-  double* dw_sum = nullptr;  ///< fp64 [cols]: the block's first group stores, later ones add;
-                             ///< null: dw/db not wanted
+  const float* w = nullptr;   ///< fp32 [cols]: ones when the norm has none
+  const float* wd = nullptr;  ///< from the output only: w clamped to |w| >= eps (the divisor)
+  const float* b = nullptr;   ///< fp32 [cols], from the output only (zeros if no bias); else null
+  float* scratch = nullptr;   ///< 5 regions of norm_scratch_stride(cols) floats, then 1024 more
+  double* dw_sum = nullptr;   ///< fp64 [cols]: the block's first group stores, later ones add;
+                              ///< null: dw/db not wanted
   double* db_sum = nullptr;
 };
 

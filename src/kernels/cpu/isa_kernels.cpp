@@ -851,12 +851,12 @@ void norm_forward_rows(const NormForwardArgs& a, int64_t begin, int64_t end, con
 }
 
 // x_hat of element i of a backward row: from the input ((x - mean) * rstd), or (kFromOutput)
-// from the output y ((y - b) / w).
+// from the output y ((y - b) / wd, wd: the weight clamped by magnitude, BackwardRow::wd).
 template <bool kFromOutput, class W, class TS>
-inline W x_hat(const TS* __restrict src, const float* __restrict w, const float* __restrict b,
+inline W x_hat(const TS* __restrict src, const float* __restrict wd, const float* __restrict b,
                float mean, float rstd, int64_t i) {
   if constexpr (kFromOutput) {
-    return (get_as<W>(src, i) - get_as<W>(b, i)) / get_as<W>(w, i);
+    return (get_as<W>(src, i) - get_as<W>(b, i)) / get_as<W>(wd, i);
   } else {
     return (get_as<W>(src, i) - mean) * rstd;
   }
@@ -866,9 +866,10 @@ inline W x_hat(const TS* __restrict src, const float* __restrict w, const float*
 struct BackwardRow {
   int64_t cols;
   bool rms;
-  const float* w;  // fp32 [cols]: ones when the norm has none
-  const float* b;  // fp32 [cols] from the output (zeros if no bias); null otherwise
-  float* dw_part;  // fp32 partials [cols]
+  const float* w;   // fp32 [cols]: ones when the norm has none
+  const float* wd;  // from the output: what y - b is divided by (w clamped to |w| >= eps)
+  const float* b;   // fp32 [cols] from the output (zeros if no bias); null otherwise
+  float* dw_part;   // fp32 partials [cols]
   float* db_part;
 };
 
@@ -910,7 +911,7 @@ inline RowCoef backward_sums(const BackwardRow& r, float mean, float rstd, const
       const int64_t k = i + v * kVec;
       const Lanes g = get_lanes(dy + k) * get_lanes(w + k);
       acc_g[v] += g;
-      acc_gx[v] += g * x_hat<kFromOutput, Lanes>(src, w, b, mean, rstd, k);
+      acc_gx[v] += g * x_hat<kFromOutput, Lanes>(src, r.wd, b, mean, rstd, k);
     }
   }
   float tail_g = 0.0f;
@@ -918,7 +919,7 @@ inline RowCoef backward_sums(const BackwardRow& r, float mean, float rstd, const
   for (; i < cols; ++i) {
     const float g = get(dy, i) * w[i];
     tail_g += g;
-    tail_gx += g * x_hat<kFromOutput, float>(src, w, b, mean, rstd, i);
+    tail_gx += g * x_hat<kFromOutput, float>(src, r.wd, b, mean, rstd, i);
   }
   const float inv_n = 1.0f / static_cast<float>(cols);
   return {mean, rstd, r.rms ? 0.0f : (combine(acc_g) + tail_g) * inv_n,
@@ -935,7 +936,7 @@ inline void backward_out(const BackwardRow& r, const RowCoef& c, const TS* __res
   for_each_out<TO>(r.cols, [&](auto z, int64_t k) {
     using W = decltype(z);
     const W d = get_as<W>(dy, k);
-    const W xh = x_hat<kFromOutput, W>(src, w, b, c.mean, c.rstd, k);
+    const W xh = x_hat<kFromOutput, W>(src, r.wd, b, c.mean, c.rstd, k);
     put_as(out, k, dx_of(c, d, get_as<W>(w, k), xh));
     put_as(dw, k, get_as<W>(dw, k) + d * xh);
     put_as(db, k, get_as<W>(db, k) + d);
@@ -960,8 +961,8 @@ inline void backward_out2(const BackwardRow& r, const RowCoef& c0, const RowCoef
     const W wk = get_as<W>(w, k);
     const W d0 = get_as<W>(dy0, k);
     const W d1 = get_as<W>(dy1, k);
-    const W xh0 = x_hat<kFromOutput, W>(src0, w, b, c0.mean, c0.rstd, k);
-    const W xh1 = x_hat<kFromOutput, W>(src1, w, b, c1.mean, c1.rstd, k);
+    const W xh0 = x_hat<kFromOutput, W>(src0, r.wd, b, c0.mean, c0.rstd, k);
+    const W xh1 = x_hat<kFromOutput, W>(src1, r.wd, b, c1.mean, c1.rstd, k);
     put_as(out0, k, dx_of(c0, d0, wk, xh0));
     put_as(out1, k, dx_of(c1, d1, wk, xh1));
     put_as(dw, k, get_as<W>(dw, k) + d0 * xh0 + d1 * xh1);
@@ -979,7 +980,7 @@ inline void backward_params(const BackwardRow& r, float mean, float rstd, const 
 #pragma GCC ivdep
   for (int64_t k = 0; k < r.cols; ++k) {
     const float d = get(dy, k);
-    const float xh = x_hat<kFromOutput, float>(src, r.w, r.b, mean, rstd, k);
+    const float xh = x_hat<kFromOutput, float>(src, r.wd, r.b, mean, rstd, k);
     dw[k] = dw[k] + d * xh;
     db[k] = db[k] + d;
   }
@@ -1022,7 +1023,7 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
                            ? blk.scratch + 3 * stride
                            : half_a_page_from(blk.scratch + 3 * stride,
                                               static_cast<stored_t<OS>*>(a.dx) + blk.begin * cols);
-  const BackwardRow row{cols, a.rms, blk.w, blk.b, parts, parts + stride};
+  const BackwardRow row{cols, a.rms, blk.w, blk.wd, blk.b, parts, parts + stride};
   const void* src_base = kFromOutput ? a.y : a.x;
   // The first group's partials are stored into the block's sums, later ones added.
   auto flush = [&](bool first) {

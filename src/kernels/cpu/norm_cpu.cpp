@@ -46,7 +46,7 @@ class LineBuffer {
 // ran before), and it is always the same few sizes in a training loop. Buffers over kKeepBytes
 // (rows of ~100k columns and more) are released once the call is done with them
 // (release_large_workspace), so that one huge call does not pin its memory for the thread's life.
-enum class Slot { kWeight, kBias, kRows, kWeightSums, kBiasSums, kCount };
+enum class Slot { kWeight, kWeightDiv, kBias, kRows, kWeightSums, kBiasSums, kCount };
 constexpr size_t kKeepBytes = size_t{8} << 20;
 
 struct WorkBuffers {
@@ -182,6 +182,19 @@ void norm_backward(const NormBackwardArgs& a) {
   const float* b = !from_output     ? nullptr
                    : a.b != nullptr ? float_params(a.b, a.w_dtype, a.cols, Slot::kBias)
                                     : filled(a.cols, 0.0f, Slot::kBias);
+  // From the output, x_hat = (y - b) / w with w clamped by magnitude to at least eps, as apex
+  // does: a zero weight (zero-initialised gains) then gives x_hat = 0 where y - b is 0, instead
+  // of 0/0 = NaN in every row's dx. Without a weight nothing is divided.
+  const float* wd = w;
+  if (from_output && a.w != nullptr) {
+    float* c = workspace<float>(Slot::kWeightDiv, a.cols);
+    const float eps = a.eps;
+    for (int64_t i = 0; i < a.cols; ++i) {
+      const float v = w[i];
+      c[i] = v >= 0.0f ? (v < eps ? eps : v) : (v > -eps ? -eps : v);
+    }
+    wd = c;
+  }
   // Fixed blocks of rows, each with its own fp64 sums of dw/db (the row kernels add fp32
   // partials over groups of rows into them), combined in order at the end: the result does not
   // depend on the thread count.
@@ -200,6 +213,7 @@ void norm_backward(const NormBackwardArgs& a) {
       block.begin = blk * per_block;
       block.end = std::min(a.rows, (blk + 1) * per_block);
       block.w = w;
+      block.wd = wd;
       block.b = b;
       block.scratch = scratch;
       block.dw_sum = want ? dw_sum + blk * sum_stride : nullptr;

@@ -423,6 +423,7 @@ struct BwdParams {
   void* dx;
   float* part_w;  ///< [gridDim.x][cols] or null
   float* part_b;
+  float eps;  ///< memory-efficient: w is clamped by magnitude to at least eps
 };
 
 /// x_hat from x (or, memory-efficient, from y, b and w) and g = dy * w for one value; dy is
@@ -433,11 +434,14 @@ struct BwdMath {
   bool has_b;
   float mean;
   float rstd;
+  float eps;
 
   __device__ __forceinline__ float x_hat(float xy, float w, float b) const {
     if (!from_y) return (xy - mean) * rstd;
     const float centered = has_b ? xy - b : xy;
-    return has_w ? centered / w : centered;
+    // apex's clamp: |w| < eps divides by eps of w's sign (+eps for zeros), not by w.
+    const float wd = w >= 0.0f ? (w < eps ? eps : w) : (w > -eps ? -eps : w);
+    return has_w ? centered / wd : centered;
   }
 };
 
@@ -487,7 +491,7 @@ __global__ void __launch_bounds__(kThreads) norm_bwd_reg_kernel(const BwdParams 
     } else {
       fill(b, 0.0f);
     }
-    BwdMath m{from_y, p.w != nullptr, p.b != nullptr, 0.0f, 0.0f};
+    BwdMath m{from_y, p.w != nullptr, p.b != nullptr, 0.0f, 0.0f, p.eps};
     if (live) {
       m.rstd = p.rstd[row];
       if (!from_y && !p.rms) m.mean = p.mean[row];
@@ -596,7 +600,7 @@ __device__ __forceinline__ void bwd_big_rows(const BwdParams& p) {
 
   for (int64_t row = r_begin; row < r_end; ++row) {
     const int64_t offset = row * p.cols;
-    BwdMath m{from_y, wp != nullptr, bp != nullptr, 0.0f, p.rstd[row]};
+    BwdMath m{from_y, wp != nullptr, bp != nullptr, 0.0f, p.rstd[row], p.eps};
     if (!from_y && !p.rms) m.mean = p.mean[row];
     float s[2] = {0.0f, 0.0f};
     for (int64_t v = tid; v < vecs; v += kBigThreads) {
@@ -890,6 +894,7 @@ void norm_backward(const NormBackwardArgs& args, void* stream_ptr) {
   p.mean = from_y ? nullptr : args.mean;
   p.rstd = args.rstd;
   p.dx = args.dx;
+  p.eps = args.eps;
 
   // Enqueues the kernel over `blocks` blocks, with the partial rows of dw/db when wanted, then
   // sums the partial rows.
