@@ -7,9 +7,11 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
+#include <algorithm>
 #include <array>
 #include <mutex>
 #include <string>
@@ -176,9 +178,25 @@ struct NormBackward : public torch::autograd::Node {
   variable_list apply(variable_list&& grads) override;
 };
 
+// A new node owned as the LibTorch in use owns them: c10::intrusive_ptr from 2.12 on,
+// std::shared_ptr with torch::autograd::deleteNode (found by argument-dependent lookup, so that
+// it is only looked up where it exists) before.
+template <class T, class N = torch::autograd::Node, class... Args>
+auto make_node(Args&&... args) {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, N>) {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  } else {
+    return std::shared_ptr<T>(new T(std::forward<Args>(args)...), [](N* n) { deleteNode(n); });
+  }
+}
+
 variable_list NormBackward::apply(variable_list&& grads) {
-  TORCH_CHECK(!at::GradMode::is_enabled(),
-              "FusedLayerNorm/FusedRMSNorm: double backward is not supported");
+  // create_graph: the gradients are computed as usual, and those that need a gradient of their own
+  // get an Error node, so that a double backward through them fails with a clear message when it
+  // runs (as LibTorch's ops without a double-backward formula do) rather than being refused here
+  // or silently giving zero second derivatives.
+  const bool create_graph = at::GradMode::is_enabled();
+  const at::AutoGradMode no_graph(false);
   const std::lock_guard<std::mutex> lock(mutex_);
   // No gradient reached the output (it did not contribute to what is differentiated): none
   // flows on, as for LibTorch's own nodes.
@@ -276,19 +294,22 @@ variable_list NormBackward::apply(variable_list&& grads) {
     const at::Tensor v = t.dim() == static_cast<int64_t>(shape.size()) ? t : t.view(shape);
     return v.scalar_type() == dtype ? v : v.to(dtype);
   };
-  return {dx, as_param(dw, w_dtype), as_param(db, b_dtype)};
-}
-
-// A new node owned as the LibTorch in use owns them: c10::intrusive_ptr from 2.12 on,
-// std::shared_ptr with torch::autograd::deleteNode (found by argument-dependent lookup, so that
-// it is only looked up where it exists) before.
-template <class T, class N = torch::autograd::Node>
-auto make_node() {
-  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, N>) {
-    return c10::make_intrusive<T>();
-  } else {
-    return std::shared_ptr<T>(new T(), [](N* n) { deleteNode(n); });
+  variable_list out{dx, as_param(dw, w_dtype), as_param(db, b_dtype)};
+  if (create_graph) {
+    auto edges = torch::autograd::collect_next_edges(grads[0], src_t, w_t, b_t);
+    const bool any = std::any_of(edges.begin(), edges.end(),
+                                 [](const torch::autograd::Edge& e) { return e.is_valid(); });
+    if (any) {
+      const auto error = make_node<torch::autograd::Error>(
+          std::string(op_name(rms)) + ": double backward is not supported", std::move(edges));
+      for (at::Tensor& t : out) {
+        if (!t.defined()) continue;
+        if (t.is_view()) t = t.clone();  // history is set on tensors of their own, not views
+        torch::autograd::set_history(t, error);
+      }
+    }
   }
+  return out;
 }
 
 // Records the norm in the autograd graph: y's history is a NormBackward node with what the

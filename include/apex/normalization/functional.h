@@ -3,7 +3,7 @@
 /// Functional fused LayerNorm and RMSNorm: one pass per row for the statistics and the output,
 /// one for the gradients; statistics and math in fp32 whatever the storage dtype (fp32, fp16,
 /// bf16; float64 tensors take an ATen float64 path with the same formulas, for gradcheck).
-/// Differentiable with respect to input, weight and bias (double backward is rejected).
+/// Differentiable with respect to input, weight and bias (a double backward fails with a message).
 /// memory_efficient: save the output instead of the input for the backward, which recomputes
 /// x_hat = (y - bias) / weight (apex's memory_efficient; weights must not be zero).
 
