@@ -471,6 +471,30 @@ TEST(FusedNorm, StatisticsOfHardRows) {
 // within a few fp32 units of a rounding tie (bf16_rounding_of).
 constexpr int kNearTie = 8;
 
+// Values beyond ~FLT_MAX / 64 overflow the fp32 row sums; such rows are summed again in fp64. In
+// fp32 only a constant row of them has a finite variance (any spread of such values is wider than
+// sqrt(FLT_MAX)), and its output is the bias, as at::layer_norm gives up to a few hundred
+// columns (at 1000 its own sums overflow to NaN), rather than NaN; rows holding NaN still give NaN.
+TEST(FusedNorm, RowsOfHugeValues) {
+  auto gen = at::detail::createCPUGenerator(31);
+  for (const int64_t cols : {100, 300, 1000}) {
+    auto x = at::randn({3, cols}, gen);
+    x[0].fill_(1e37);
+    x[1].fill_(-3e37);
+    const auto w = at::rand({cols}, gen) + 0.5;
+    const auto b = at::randn({cols}, gen);
+    const auto y = fused_layer_norm(x, {cols}, w, b);
+    EXPECT_TRUE(at::equal(y[0], b)) << cols;
+    EXPECT_TRUE(at::equal(y[1], b)) << cols;
+    EXPECT_TRUE(at::allclose(y[2], at::layer_norm(x, {cols}, w, b)[2], 1e-5, 1e-5)) << cols;
+    auto bad = x.clone();
+    bad[2][5] = std::numeric_limits<float>::quiet_NaN();
+    const auto yb = fused_layer_norm(bad, {cols}, w, b);
+    EXPECT_TRUE(yb[2].isnan().all().item<bool>()) << cols;
+    EXPECT_TRUE(at::equal(yb[0], b)) << cols;
+  }
+}
+
 // A bf16 output (y of the forward, dx of the backward) is the fp32 result rounded once: the same
 // norm on the same values with fp32 storage, rounded by c10::BFloat16, bit for bit. The rows
 // hold denormal results (half the columns have denormal weights; dy is tiny) and a row of NaNs

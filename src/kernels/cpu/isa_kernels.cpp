@@ -2,6 +2,7 @@
 // loops over restrict pointers that the compiler vectorizes for the target ISA; fp16/bf16 storage
 // is converted tile by tile into L1-resident fp32 buffers, so one math loop serves every dtype.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -673,7 +674,7 @@ float row_reduce(const T* __restrict x, int64_t n, float c) {
 // the loss at 2.4x the two-pass method's (checked against LibTorch's fp32 layer_norm on such
 // rows in the tests). NaN and Inf fail that test and take the centred pass too.
 template <class T>
-std::pair<float, float> row_moments(const T* __restrict x, int64_t n, bool rms) {
+std::pair<float, float> row_moments_fp32(const T* __restrict x, int64_t n, bool rms) {
   const float inv_n = 1.0f / static_cast<float>(n);
   constexpr int kPilot = 64;  // the elements k is the mean of (whatever the ISA)
   if (!rms && n >= 4 * kPilot) {
@@ -688,6 +689,26 @@ std::pair<float, float> row_moments(const T* __restrict x, int64_t n, bool rms) 
   }
   const float mean = rms ? 0.0f : row_reduce<false>(x, n, 0.0f) * inv_n;
   return {mean, row_reduce<true>(x, n, mean) * inv_n};
+}
+
+// Rows whose fp32 sums are not finite are summed again in fp64: values beyond ~FLT_MAX / 64
+// overflow the fp32 sums (a row of 1e37s gave a NaN mean and row) where their mean and spread are
+// finite, as at::layer_norm finds them. Rows holding NaN or Inf come here too and keep them.
+template <class T>
+std::pair<float, float> row_moments(const T* __restrict x, int64_t n, bool rms) {
+  const auto fast = row_moments_fp32(x, n, rms);
+  if (__builtin_expect(std::isfinite(fast.first) && std::isfinite(fast.second), 1)) return fast;
+  double sum = 0.0;
+  if (!rms) {
+    for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(get(x, i));
+  }
+  const double mean = sum / static_cast<double>(n);
+  double sq = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(get(x, i)) - mean;
+    sq += d * d;
+  }
+  return {static_cast<float>(mean), static_cast<float>(sq / static_cast<double>(n))};
 }
 
 void from_float_values(const float* src, DType t, void* dst, int64_t n) { store(t, src, dst, n); }
