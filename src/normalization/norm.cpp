@@ -221,8 +221,8 @@ variable_list NormBackward::apply(variable_list&& grads) {
       if (w_t.defined()) {
         // apex's clamp by magnitude (|w| < eps divides by eps of w's sign, +eps for zeros).
         const at::Tensor wd = d(w_t);
-        const at::Tensor sign = at::where(wd < 0, -1.0, 1.0);
-        xh = xh / at::where(wd.abs() < eps, sign * eps, wd);
+        const at::Tensor mag = at::full_like(wd, eps);
+        xh = xh / at::where(wd.abs() < eps, at::where(wd < 0, -mag, mag), wd);
       }
     } else {
       xh = (rms ? d(src_t) : d(src_t) - mean_t.view({-1, 1})) * rstd_t.view({-1, 1});
@@ -296,7 +296,11 @@ variable_list NormBackward::apply(variable_list&& grads) {
   };
   variable_list out{dx, as_param(dw, w_dtype), as_param(db, b_dtype)};
   if (create_graph) {
-    auto edges = torch::autograd::collect_next_edges(grads[0], src_t, w_t, b_t);
+    // dx, dw and db depend on dy and, through what was saved, on the forward's input, weight and
+    // bias: this node's own next edges (the saved tensors are contiguous copies without history,
+    // or, memory-efficient, the output of this very node).
+    auto edges = torch::autograd::collect_next_edges(grads[0]);
+    edges.insert(edges.end(), next_edges().begin(), next_edges().end());
     const bool any = std::any_of(edges.begin(), edges.end(),
                                  [](const torch::autograd::Edge& e) { return e.is_valid(); });
     if (any) {

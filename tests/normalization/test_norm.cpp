@@ -217,7 +217,8 @@ TEST(FusedNorm, MemoryEfficientClampsSmallWeightsAsApex) {
       const auto xc = rms ? x64 : x64 - x64.mean(-1, true);
       const auto rstd = (xc.square().mean(-1, true) + eps).rsqrt();
       const auto w64 = d(w);
-      const auto wd = at::where(w64.abs() < eps, at::where(w64 < 0, -eps, eps), w64);
+      const auto mag = at::full_like(w64, eps);
+      const auto wd = at::where(w64.abs() < eps, at::where(w64 < 0, -mag, mag), w64);
       const auto xh = (rms ? d(y) : d(y) - d(b)) / wd;
       const auto g = d(dy) * w64;
       auto inner = g - xh * (g * xh).mean(-1, true);
@@ -693,6 +694,19 @@ TEST(FusedNorm, DoubleBackwardIsRejected) {
   EXPECT_EQ(g3[0].sizes(), w3.sizes());
   EXPECT_TRUE(throws_with([&] { (g3[0].sum() + g3[1].sum()).backward(); },
                           "double backward is not supported"));
+  // A non-contiguous input (saved as a contiguous copy without history), a frozen weight and a dy
+  // without history: dx still leads to the error, not to a gradient without a graph.
+  for (const bool mem : {false, true}) {
+    auto x4 = at::randn({4, 8}).set_requires_grad(true);
+    const auto xt = x4.t();
+    const auto w4 = at::rand({4}) + 0.5;
+    const auto y4 = fused_layer_norm(xt, {4}, w4, at::Tensor(), 1e-5, mem);
+    const auto g4 = torch::autograd::grad({y4}, {x4}, {at::randn({8, 4})}, true, true);
+    ASSERT_TRUE(g4[0].requires_grad()) << mem;
+    EXPECT_TRUE(throws_with([&] { torch::autograd::grad({g4[0].sum()}, {x4}); },
+                            "double backward is not supported"))
+        << mem;
+  }
 }
 
 // The modules: parameters registered as apex's (ones/zeros), trainable, same math as functional.

@@ -5,7 +5,8 @@
 /// bf16; float64 tensors take an ATen float64 path with the same formulas, for gradcheck).
 /// Differentiable with respect to input, weight and bias (a double backward fails with a message).
 /// memory_efficient: save the output instead of the input for the backward, which recomputes
-/// x_hat = (y - bias) / weight (apex's memory_efficient; weights must not be zero).
+/// x_hat = (y - bias) / weight, the weight clamped by magnitude to at least eps as in apex's
+/// memory_efficient (a weight of exactly zero then gets no gradient: keep this off for such).
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>

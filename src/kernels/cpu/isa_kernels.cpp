@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 
@@ -693,22 +694,32 @@ std::pair<float, float> row_moments_fp32(const T* __restrict x, int64_t n, bool 
 
 // Rows whose fp32 sums are not finite are summed again in fp64: values beyond ~FLT_MAX / 64
 // overflow the fp32 sums (a row of 1e37s gave a NaN mean and row) where their mean and spread are
-// finite, as at::layer_norm finds them. Rows holding NaN or Inf come here too and keep them.
+// finite, as at::layer_norm finds them. Rows holding NaN or Inf come here too and keep them. Out
+// of line and cold, so that the common path's code stays as it was.
 template <class T>
-std::pair<float, float> row_moments(const T* __restrict x, int64_t n, bool rms) {
-  const auto fast = row_moments_fp32(x, n, rms);
-  if (__builtin_expect(std::isfinite(fast.first) && std::isfinite(fast.second), 1)) return fast;
+__attribute__((noinline, cold)) std::pair<float, float> row_moments_fp64(const T* __restrict x,
+                                                                         int64_t n, bool rms) {
   double sum = 0.0;
   if (!rms) {
     for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(get(x, i));
   }
   const double mean = sum / static_cast<double>(n);
+  // NaN or Inf in the row: no second pass (the variance is NaN).
+  if (!std::isfinite(mean))
+    return {static_cast<float>(mean), std::numeric_limits<float>::quiet_NaN()};
   double sq = 0.0;
   for (int64_t i = 0; i < n; ++i) {
     const double d = static_cast<double>(get(x, i)) - mean;
     sq += d * d;
   }
   return {static_cast<float>(mean), static_cast<float>(sq / static_cast<double>(n))};
+}
+
+template <class T>
+inline std::pair<float, float> row_moments(const T* __restrict x, int64_t n, bool rms) {
+  const auto fast = row_moments_fp32(x, n, rms);
+  if (__builtin_expect(std::isfinite(fast.first) && std::isfinite(fast.second), 1)) return fast;
+  return row_moments_fp64(x, n, rms);
 }
 
 void from_float_values(const float* src, DType t, void* dst, int64_t n) { store(t, src, dst, n); }

@@ -183,8 +183,8 @@ void norm_backward(const NormBackwardArgs& a) {
                    : a.b != nullptr ? float_params(a.b, a.w_dtype, a.cols, Slot::kBias)
                                     : filled(a.cols, 0.0f, Slot::kBias);
   // From the output, x_hat = (y - b) / w with w clamped by magnitude to at least eps, as apex
-  // does: a zero weight (zero-initialised gains) then gives x_hat = 0 where y - b is 0, instead
-  // of 0/0 = NaN in every row's dx. Without a weight nothing is divided.
+  // does: where w is 0, y - b is 0 and x_hat 0 (so that weight gets no gradient), instead of
+  // 0/0 = NaN in every row's dx. Without a weight nothing is divided.
   const float* wd = w;
   if (from_output && a.w != nullptr) {
     float* c = workspace<float>(Slot::kWeightDiv, a.cols);
