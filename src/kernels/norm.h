@@ -9,7 +9,20 @@
 
 #include "kernels/multi_tensor.h"
 
+#if defined(__CUDACC__)
+#define APEX_NORM_HOST_DEVICE __host__ __device__
+#else
+#define APEX_NORM_HOST_DEVICE
+#endif
+
 namespace apex::kernels {
+
+/// What memory-efficient mode divides y - b by: the weight clamped by magnitude to at least eps,
+/// as apex does (|w| < eps gives eps of w's sign, +eps for zeros; NaN stays NaN). One definition
+/// for the CPU and CUDA backends.
+APEX_NORM_HOST_DEVICE inline float weight_divisor(float w, float eps) {
+  return w >= 0.0f ? (w < eps ? eps : w) : (w > -eps ? -eps : w);
+}
 
 /// y = (x - mean) * rstd * w + b per row (LayerNorm), or x * rstd * w (RMSNorm, no mean).
 /// mean (LayerNorm only) and rstd are written per row in fp32.

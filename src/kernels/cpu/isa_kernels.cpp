@@ -1071,10 +1071,11 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
   // columns it was -6 to +25 % (worse for bf16 from memory), where the row is short enough for
   // the hardware's own stream to cover it.
   const bool prefetch_dx = cols >= 2048;
+  // The row's mean as x_hat takes it (none for RMSNorm, or from the output).
+  auto mean_of = [&](int64_t r) { return a.rms || kFromOutput ? 0.0f : a.mean[r]; };
   auto coef = [&](int64_t r, const auto* src_row, const auto* dy_row) {
-    const float mean = a.rms || kFromOutput ? 0.0f : a.mean[r];
     return backward_sums<kFromOutput, V>(
-        row, mean, a.rstd[r], src_row, dy_row,
+        row, mean_of(r), a.rstd[r], src_row, dy_row,
         prefetch_dx ? reinterpret_cast<const char*>(dx_at(r)) : nullptr,
         static_cast<int64_t>(sizeof(stored_t<OS>)));
   };
@@ -1101,8 +1102,8 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
   if (a.dx == nullptr) {
     for (int64_t r = blk.begin; r < blk.end; ++r) {
       start_group(r);
-      const float mean = a.rms || kFromOutput ? 0.0f : a.mean[r];
-      backward_params<kFromOutput>(row, mean, a.rstd[r], row_view<SS>(src_at(r), blk.scratch, cols),
+      backward_params<kFromOutput>(row, mean_of(r), a.rstd[r],
+                                   row_view<SS>(src_at(r), blk.scratch, cols),
                                    row_view<DS>(dy_at(r), blk.scratch + stride, cols));
     }
     if (blk.end > blk.begin) flush(blk.end - blk.begin <= kNormGroup);

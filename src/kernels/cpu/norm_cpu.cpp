@@ -188,11 +188,7 @@ void norm_backward(const NormBackwardArgs& a) {
   const float* wd = w;
   if (from_output && a.w != nullptr) {
     float* c = workspace<float>(Slot::kWeightDiv, a.cols);
-    const float eps = a.eps;
-    for (int64_t i = 0; i < a.cols; ++i) {
-      const float v = w[i];
-      c[i] = v >= 0.0f ? (v < eps ? eps : v) : (v > -eps ? -eps : v);
-    }
+    for (int64_t i = 0; i < a.cols; ++i) c[i] = weight_divisor(w[i], a.eps);
     wd = c;
   }
   // Fixed blocks of rows, each with its own fp64 sums of dw/db (the row kernels add fp32

@@ -439,9 +439,7 @@ struct BwdMath {
   __device__ __forceinline__ float x_hat(float xy, float w, float b) const {
     if (!from_y) return (xy - mean) * rstd;
     const float centered = has_b ? xy - b : xy;
-    // apex's clamp: |w| < eps divides by eps of w's sign (+eps for zeros), not by w.
-    const float wd = w >= 0.0f ? (w < eps ? eps : w) : (w > -eps ? -eps : w);
-    return has_w ? centered / wd : centered;
+    return has_w ? centered / weight_divisor(w, eps) : centered;
   }
 };
 
