@@ -501,13 +501,17 @@ TEST(FusedNorm, RowsOfHugeValues) {
 // hold denormal results (half the columns have denormal weights; dy is tiny) and a row of NaNs
 // from a negative NaN with a payload (0xffc1, written as bits: a float NaN assigned to a bf16
 // tensor becomes 0x7fc0), which the hardware's bf16 conversion would keep. 96 columns take the
-// short-row kernels, 1000 the wide ones with a partial last vector, 8192 the backward's row pairs.
-// LayerNorm with and without weight and bias, and RMSNorm. (Not memory_efficient: its backward
+// short-row kernels, 1000 the wide ones with a partial last vector, 8192 the backward's row pairs,
+// 23 one block of 16 and a tail (the AVX2 kernels read bf16 rows 16 elements at a time, as even
+// and odd halves of 32-bit words). LayerNorm with and without weight and bias, RMSNorm, and
+// LayerNorm whose weight holds a NaN with a payload in one column (the AVX2 forward looks for NaN
+// in the parameters once, to skip the rounding's NaN test). (Not memory_efficient: its backward
 // recomputes x_hat from the rounded bf16 output, so it is not the fp32 computation rounded.)
 TEST(FusedNorm, Bf16OutputsAreRoundedFp32Results) {
-  enum class Variant { kLayerNorm, kLayerNormPlain, kRMSNorm };
-  for (auto variant : {Variant::kLayerNorm, Variant::kLayerNormPlain, Variant::kRMSNorm}) {
-    for (int64_t cols : {96, 1000, 8192}) {
+  enum class Variant { kLayerNorm, kLayerNormPlain, kRMSNorm, kLayerNormNanWeight };
+  for (auto variant : {Variant::kLayerNorm, Variant::kLayerNormPlain, Variant::kRMSNorm,
+                       Variant::kLayerNormNanWeight}) {
+    for (int64_t cols : {23, 96, 1000, 8192}) {
       auto gen = at::detail::createCPUGenerator(19);
       auto x = at::randn({18, cols}, gen).to(at::kBFloat16);
       x.view(at::kShort)[5][cols / 3] = static_cast<int16_t>(0xffc1);
@@ -517,7 +521,9 @@ TEST(FusedNorm, Bf16OutputsAreRoundedFp32Results) {
       b.slice(0, 0, cols, 2).zero_();
       const bool affine = variant != Variant::kLayerNormPlain;
       w = affine ? w.to(at::kBFloat16) : at::Tensor();
-      b = variant == Variant::kLayerNorm ? b.to(at::kBFloat16) : at::Tensor();
+      const bool nan_weight = variant == Variant::kLayerNormNanWeight;
+      if (nan_weight) w.view(at::kShort)[cols / 2] = static_cast<int16_t>(0x7f81);
+      b = variant == Variant::kLayerNorm || nan_weight ? b.to(at::kBFloat16) : at::Tensor();
       const auto dy = (at::randn({18, cols}, gen) * 2e-38).to(at::kBFloat16);
       std::vector<at::Tensor> y, dx;
       for (auto t : {at::kBFloat16, at::kFloat}) {
@@ -538,7 +544,13 @@ TEST(FusedNorm, Bf16OutputsAreRoundedFp32Results) {
       if (affine) {
         ASSERT_TRUE(denormal(y[1])) << what;
       }
-      ASSERT_TRUE(denormal(dx[1])) << what;
+      if (nan_weight) {
+        // NaN in every row's dx (through the row sums) and in one column of y.
+        ASSERT_TRUE(y[1].select(1, cols / 2).isnan().all().item<bool>()) << what;
+        ASSERT_TRUE(dx[1].isnan().all().item<bool>()) << what;
+      } else {
+        ASSERT_TRUE(denormal(dx[1])) << what;
+      }
       EXPECT_TRUE(bf16_rounding_of(y[0], y[1], kNearTie)) << what << ", forward";
       EXPECT_TRUE(bf16_rounding_of(dx[0], dx[1], kNearTie)) << what << ", backward";
     }
