@@ -735,21 +735,6 @@ __attribute__((always_inline)) inline float combine(Lanes (&acc)[V]) {
   return combine_tree<kVec>(lanes);
 }
 
-// The same over V registers of partials as EvenOdd: their even and odd halves as 2 V registers.
-template <int V>
-__attribute__((always_inline)) inline float combine_regs(Lanes (&acc)[V]) {
-  return combine(acc);
-}
-template <int V, bool N>
-__attribute__((always_inline)) inline float combine_regs(EvenOdd<N> (&acc)[V]) {
-  Lanes halves[2 * V];
-  for (int v = 0; v < V; ++v) {
-    halves[v] = acc[v].e;
-    halves[V + v] = acc[v].o;
-  }
-  return combine(halves);
-}
-
 // Sum of (x - c)^2 with V registers of partials (c = 0: the plain sum of squares; kSquare
 // false: the sum of x).
 template <int V, bool kSquare, class T>
@@ -977,12 +962,12 @@ constexpr DType dtype_of() {
   return DType::kFloat16;
 }
 
-// Whether n bf16 values (or none: p null) hold no NaN.
-inline bool bf16_nan_free(const uint16_t* __restrict p, int64_t n) {
+// Whether n bf16 values (or none: p null) are all finite.
+inline bool bf16_finite(const uint16_t* __restrict p, int64_t n) {
   if (p == nullptr) return true;
-  uint16_t nan = 0;
-  for (int64_t i = 0; i < n; ++i) nan |= (p[i] & 0x7fffu) > 0x7f80u;
-  return nan == 0;
+  uint16_t non_finite = 0;
+  for (int64_t i = 0; i < n; ++i) non_finite |= (p[i] & 0x7fffu) >= 0x7f80u;
+  return non_finite == 0;
 }
 
 // Rows [begin, end) of a forward. The loop over rows lives here, with every storage dispatch
@@ -993,13 +978,14 @@ void forward_rows(const NormForwardArgs& a, int64_t begin, int64_t end, const TW
                   float* scratch) {
   const int64_t cols = a.cols;
   // Every row bf16 (the parameters too, or absent): the EvenOdd loops. Their output skips the
-  // rounding's NaN test where the row's moments are finite and the parameters hold no NaN (looked
-  // at once per call of several rows).
+  // rounding's NaN test where the row's moments and the parameters are finite (these looked at
+  // once per call of 4+ rows; an Inf weight over a zero x_hat gives the x86 default NaN, which the
+  // unchecked rounding would write as 0xffc0).
   constexpr bool kEO = kEvenOddRows && std::is_same_v<XS, uint16_t> &&
                        std::is_same_v<YS, uint16_t> && std::is_same_v<TW, uint16_t>;
-  bool params_nan_free = false;
+  bool params_finite = false;
   if constexpr (kEO) {
-    params_nan_free = end - begin >= 4 && bf16_nan_free(w, cols) && bf16_nan_free(b, cols);
+    params_finite = end - begin >= 4 && bf16_finite(w, cols) && bf16_finite(b, cols);
   }
   for (int64_t r = begin; r < end; ++r) {
     const stored_t<XS>* xs = static_cast<const stored_t<XS>*>(a.x) + r * cols;
@@ -1020,7 +1006,7 @@ void forward_rows(const NormForwardArgs& a, int64_t begin, int64_t end, const TW
       // Finite moments: x holds no NaN or Inf, and |x_hat| <= sqrt(cols), so with finite w and
       // b no lane of y can be NaN.
       const bool nan_free =
-          params_nan_free && std::isfinite(mean) && std::isfinite(var) && std::isfinite(rstd);
+          params_finite && std::isfinite(mean) && std::isfinite(var) && std::isfinite(rstd);
       norm_output<kEO>(xr, w, b, ys, cols, mean, rstd, nan_free);
     }
     if (!a.rms) a.mean[r] = mean;
@@ -1084,31 +1070,30 @@ inline W dx_of(const RowCoef& c, W dy, W w, W x_hat) {
 // (backward_out) finds the row in cache, writes dx and adds dy * x_hat and dy to the dw/db
 // partials. `out` (dx's row, or null): its lines are requested for writing along the way, so that
 // their write-allocate reads overlap this pass's loads instead of stalling the second pass's
-// stores. kEO: the rows are bf16 and read as EvenOdd (V / 2 of them hold the partials), w and the
-// partials permuted to match.
-template <bool kFromOutput, int V, bool kEO, class TS, class TD>
+// stores. Always in the natural order, also where the second pass reads bf16 rows as EvenOdd: the
+// sums then have the fp32 rows' partials, element for element, so a bf16 dx is the fp32 dx
+// rounded (summed as even and odd halves, c_0 and c_x differed in their last bits, and a dx that
+// cancels to near zero by more than its rounding).
+template <bool kFromOutput, int V, class TS, class TD>
 inline RowCoef backward_sums(const BackwardRow& r, float mean, float rstd, const TS* __restrict src,
                              const TD* __restrict dy, const char* out, int64_t out_elem) {
-  using P = std::conditional_t<kEO, EvenOdd<true>, Lanes>;
-  constexpr int kStep = kEO ? 2 * kVec : kVec;
-  constexpr int kRegs = kEO ? (V + 1) / 2 : V;
   const int64_t cols = r.cols;
   const float* __restrict w = r.w;
   const float* __restrict b = r.b;
-  P acc_g[kRegs] = {};
-  P acc_gx[kRegs] = {};
+  Lanes acc_g[V] = {};
+  Lanes acc_gx[V] = {};
   int64_t i = 0;
-  for (; i + kRegs * kStep <= cols; i += kRegs * kStep) {
+  for (; i + V * kVec <= cols; i += V * kVec) {
     if (out != nullptr) {
-      for (int64_t l = 0; l < kRegs * kStep * out_elem; l += 64) {
+      for (int64_t l = 0; l < V * kVec * out_elem; l += 64) {
         __builtin_prefetch(out + i * out_elem + l, 1);
       }
     }
-    for (int v = 0; v < kRegs; ++v) {
-      const int64_t k = i + v * kStep;
-      const P g = get_as<P>(dy, k) * get_as<P>(w, k);
-      acc_g[v] = acc_g[v] + g;
-      acc_gx[v] = acc_gx[v] + g * x_hat<kFromOutput, P>(src, r.wd, b, mean, rstd, k);
+    for (int v = 0; v < V; ++v) {
+      const int64_t k = i + v * kVec;
+      const Lanes g = get_lanes(dy + k) * get_lanes(w + k);
+      acc_g[v] += g;
+      acc_gx[v] += g * x_hat<kFromOutput, Lanes>(src, r.wd, b, mean, rstd, k);
     }
   }
   float tail_g = 0.0f;
@@ -1119,8 +1104,8 @@ inline RowCoef backward_sums(const BackwardRow& r, float mean, float rstd, const
     tail_gx += g * x_hat<kFromOutput, float>(src, r.wd, b, mean, rstd, i);
   }
   const float inv_n = 1.0f / static_cast<float>(cols);
-  return {mean, rstd, r.rms ? 0.0f : (combine_regs(acc_g) + tail_g) * inv_n,
-          (combine_regs(acc_gx) + tail_gx) * inv_n};
+  return {mean, rstd, r.rms ? 0.0f : (combine(acc_g) + tail_g) * inv_n,
+          (combine(acc_gx) + tail_gx) * inv_n};
 }
 
 // A row whose dx rounds to bf16 without the NaN test: its sums are finite, so every g and x_hat
@@ -1251,21 +1236,23 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
                            ? blk.scratch + 3 * stride
                            : half_a_page_from(blk.scratch + 3 * stride,
                                               static_cast<stored_t<OS>*>(a.dx) + blk.begin * cols);
-  BackwardRow row{cols, a.rms, blk.w, blk.wd, blk.b, parts, parts + stride};
-  // bf16 rows with a dx to write take the EvenOdd loops, with w (and from the output wd and b)
-  // permuted into scratch regions 0-2, which only fp16 rows use otherwise. The dx-less loop keeps
-  // the natural order.
+  const BackwardRow row{cols, a.rms, blk.w, blk.wd, blk.b, parts, parts + stride};
+  // bf16 rows with a dx to write take the EvenOdd loops in their second pass (out_row), with w
+  // (and from the output wd and b) permuted into scratch regions 0-2, which only fp16 rows use
+  // otherwise, and the partials in the same order. The sums' pass and the dx-less loop keep the
+  // natural order.
   constexpr bool kEO = kEvenOddRows && std::is_same_v<SS, uint16_t> &&
                        std::is_same_v<DS, uint16_t> && std::is_same_v<OS, uint16_t>;
   const bool even_odd = kEO && a.dx != nullptr;
+  BackwardRow out_row = row;
   if (even_odd) {
     to_even_odd(blk.w, blk.scratch, cols);
-    row.w = blk.scratch;
+    out_row.w = blk.scratch;
     if constexpr (kFromOutput) {
       to_even_odd(blk.wd, blk.scratch + stride, cols);
       to_even_odd(blk.b, blk.scratch + 2 * stride, cols);
-      row.wd = blk.scratch + stride;
-      row.b = blk.scratch + 2 * stride;
+      out_row.wd = blk.scratch + stride;
+      out_row.b = blk.scratch + 2 * stride;
     }
   }
   const void* src_base = kFromOutput ? a.y : a.x;
@@ -1289,7 +1276,7 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
   // The row's mean as x_hat takes it (none for RMSNorm, or from the output).
   auto mean_of = [&](int64_t r) { return a.rms || kFromOutput ? 0.0f : a.mean[r]; };
   auto coef = [&](int64_t r, const auto* src_row, const auto* dy_row) {
-    return backward_sums<kFromOutput, V, kEO>(
+    return backward_sums<kFromOutput, V>(
         row, mean_of(r), a.rstd[r], src_row, dy_row,
         prefetch_dx ? reinterpret_cast<const char*>(dx_at(r)) : nullptr,
         static_cast<int64_t>(sizeof(stored_t<OS>)));
@@ -1331,7 +1318,7 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
       if (pairs && r + 1 < blk.end) {
         const RowCoef c0 = coef(r, src_at(r), dy_at(r));
         const RowCoef c1 = coef(r + 1, src_at(r + 1), dy_at(r + 1));
-        backward_out2<kFromOutput, kEO>(row, c0, c1, src_at(r), src_at(r + 1), dy_at(r),
+        backward_out2<kFromOutput, kEO>(out_row, c0, c1, src_at(r), src_at(r + 1), dy_at(r),
                                         dy_at(r + 1), dx_at(r), dx_at(r + 1));
         r += 2;
         continue;
@@ -1349,7 +1336,7 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
       backward_out<kFromOutput, false>(row, c, src_row, dy_row, tmp);
       float_to_half(tmp, dx_at(r), cols);
     } else {
-      backward_out<kFromOutput, kEO>(row, c, src_row, dy_row, dx_at(r));
+      backward_out<kFromOutput, kEO>(out_row, c, src_row, dy_row, dx_at(r));
     }
     ++r;
   }
