@@ -566,26 +566,47 @@ TEST(FusedNorm, Bf16OutputsAreRoundedFp32Results) {
 }
 
 // The bf16 backward's row sums are the fp32 backward's, partial for partial (the AVX2 kernels read
-// bf16 rows as even and odd halves in the second pass only): summed in another order, sum(g) of
-// this row is 1 + 2^-23 instead of 1 (a tie rounds the other way), and dx at column 2, where
-// dy - mean(dy) is exactly 0, comes out as -1.5e-8 instead of 0. (The row was found in review.)
+// bf16 rows 16 elements at a time in their own order, and put the partials back in place before
+// combining them): summed in another order, the constants differ in their last bits, and where
+// dx cancels the difference is far beyond the rounding. Two rows built so that other orders round
+// differently: 32 columns (one register of partials; found in review), where sum(dy) is 1 and
+// dx at column 2 is exactly 0; 256 columns (two registers), where sum(dy) is 2^-22 (even/odd
+// halves give 5 * 2^-24, the AVX2 order without putting the lanes back 3 * 2^-23) and is all of
+// dx at every column where dy is 0.
 TEST(FusedNorm, Bf16BackwardSumsAsFp32) {
-  auto x = at::zeros({1, 32});
-  x[0][3] = 1.0;
-  x[0][4] = -1.0;
-  auto dy = at::zeros({1, 32});
-  dy[0][0] = 31.0 / 32;
-  dy[0][2] = 1.0 / 32;
-  dy[0][8] = std::ldexp(1.0, -24);
-  dy[0][9] = std::ldexp(1.0, -24);
-  std::vector<at::Tensor> dx;
-  for (auto t : {at::kBFloat16, at::kFloat}) {
-    auto xt = x.to(t).set_requires_grad(true);
-    fused_layer_norm(xt, {32}, at::Tensor(), at::Tensor()).backward(dy.to(t));
-    dx.push_back(xt.grad());
+  for (const int64_t cols : {32, 256}) {
+    auto x = at::zeros({1, cols});
+    auto dy = at::zeros({1, cols});
+    if (cols == 32) {
+      x[0][3] = 1.0;
+      x[0][4] = -1.0;
+      dy[0][0] = 31.0 / 32;
+      dy[0][2] = 1.0 / 32;
+      dy[0][8] = std::ldexp(1.0, -24);
+      dy[0][9] = std::ldexp(1.0, -24);
+    } else {
+      x[0][20] = 1.0;
+      x[0][21] = -1.0;
+      dy[0][0] = 1.0;
+      dy[0][1] = -1.0;
+      dy[0][4] = 3 * std::ldexp(1.0, -24);
+      dy[0][8] = std::ldexp(1.0, -24);
+      dy[0][12] = std::ldexp(1.0, -24);
+    }
+    std::vector<at::Tensor> dx;
+    for (auto t : {at::kBFloat16, at::kFloat}) {
+      auto xt = x.to(t).set_requires_grad(true);
+      fused_layer_norm(xt, {cols}, at::Tensor(), at::Tensor()).backward(dy.to(t));
+      dx.push_back(xt.grad());
+    }
+    if (cols == 32) {
+      EXPECT_EQ(dx[1][0][2].item<float>(), 0.0f);
+    } else {
+      const double rstd = 1.0 / std::sqrt(2.0 / cols + 1e-5);
+      EXPECT_NEAR(dx[1][0][30].item<double>(), -rstd * std::ldexp(1.0, -22) / cols, 1e-15);
+    }
+    EXPECT_TRUE(bf16_rounding_of(dx[0], dx[1], kNearTie)) << cols << " columns";
   }
-  EXPECT_EQ(dx[1][0][2].item<float>(), 0.0f);
-  EXPECT_TRUE(bf16_rounding_of(dx[0], dx[1], kNearTie));
 }
 
 // A bf16 LayerNorm large and wide enough to read its bf16 weight and bias in place (16 MB of

@@ -85,10 +85,10 @@ struct IsaTable {
                             const void* b, DType wb, float* scratch);
   /// A block of rows of the backward (see NormBackwardArgs, NormBackwardBlock).
   void (*norm_backward_block)(const NormBackwardArgs& a, const NormBackwardBlock& block);
-  /// The norms read bf16 rows as the even and odd halves of 32-bit words (AVX2): bf16 parameters
-  /// of a bf16 forward are then read in place whatever the size, since widening them costs one
-  /// instruction per register instead of two.
-  bool norm_bf16_even_odd;
+  /// The norms read bf16 rows 16 elements at a time by interleaving them with zeros (AVX2): bf16
+  /// parameters of a bf16 forward are then read in place whatever the size, since widening them
+  /// costs one instruction per register instead of two.
+  bool norm_bf16_unpacked;
 };
 
 /// The table of the widest instruction set this CPU has (APEX_CPU_ISA may force a narrower one).

@@ -215,92 +215,113 @@ inline void put_lanes(uint16_t* p, Lanes v) {
   std::memcpy(p, &h, sizeof h);
 }
 
-// Sixteen elements of a bf16 row (2 * kVec) as two registers: the even elements (0, 2, ...) in e,
-// the odd ones in o. Read from a bf16 row, they are the low and high halves of its 32-bit words,
-// so widening takes one shift or one mask per register (against a widening load and a shift), and
-// the two rounded registers pack into the words again with one OR (against an extract, a pack and
-// a second store). fp32 rows read this way (w, the dw/db partials) are kept permuted to match:
-// each block of 2 * kVec holds its even elements, then its odd ones (to_even_odd). kMayHoldNan
-// false: the caller knows no lane is NaN (the rounding then skips its test, see
-// row_is_nan_free).
+// Sixteen elements of a bf16 row (2 * kVec) as two registers, in the order that interleaving the
+// row's 16-bit words with zeros gives (vpunpcklwd/vpunpckhwd), which is also the order that the
+// unsigned pack of two registers of rounded words puts back in place (vpackusdw): per 128-bit lane
+// l, lo holds elements 8l..8l+3 and hi 8l+4..8l+7 (on AVX2: lo = 0-3, 8-11; hi = 4-7, 12-15).
+// Zero in the low half of each 32-bit lane is the widening itself, so a register takes one
+// instruction (against a widening load and a shift), and one pack and one store write 16 rounded
+// elements (against an extract, a pack and a store per 8). fp32 rows read this way (w, the
+// dw/db partials) are kept permuted to match (to_unpacked). kMayHoldNan false: the caller knows no
+// lane is NaN, and the rounding skips its test (see row_is_nan_free).
 template <bool kMayHoldNan>
-struct EvenOdd {
-  Lanes e;
-  Lanes o;
+struct Unpacked {
+  Lanes lo;
+  Lanes hi;
 };
-// Whether bf16 rows take the EvenOdd loops: on AVX2, where they cut the bf16 forward's
-// instructions per element by about a third and the backward's by a fifth; from memory, 2 threads,
-// as % of a same-traffic loop, the forward gained 8-18 points and the backward 3-11 (see
+// Whether bf16 rows take the Unpacked loops: on AVX2, where they cut the bf16 forward's
+// instructions per element by about a third and the backward's by a fifth (see
 // docs/benchmarks.md). AVX512-BF16 rounds with one instruction, and plain AVX-512 was not
 // measured.
 #if defined(__AVX2__) && !defined(__AVX512F__)
-constexpr bool kEvenOddRows = true;
+constexpr bool kUnpackedRows = true;
 #else
-constexpr bool kEvenOddRows = false;
+constexpr bool kUnpackedRows = false;
 #endif
 template <class W>
-constexpr bool kIsEvenOdd = std::is_same_v<W, EvenOdd<true>> || std::is_same_v<W, EvenOdd<false>>;
+constexpr bool kIsUnpacked =
+    std::is_same_v<W, Unpacked<true>> || std::is_same_v<W, Unpacked<false>>;
 
-#define APEX_EVEN_ODD_OP(op)                                  \
-  template <bool N>                                           \
-  inline EvenOdd<N> operator op(EvenOdd<N> a, EvenOdd<N> b) { \
-    return {a.e op b.e, a.o op b.o};                          \
-  }                                                           \
-  template <bool N>                                           \
-  inline EvenOdd<N> operator op(EvenOdd<N> a, float s) {      \
-    return {a.e op s, a.o op s};                              \
-  }                                                           \
-  template <bool N>                                           \
-  inline EvenOdd<N> operator op(float s, EvenOdd<N> a) {      \
-    return {s op a.e, s op a.o};                              \
+// The element of a block of 2 * kVec that position p (< kVec) of lo, or of hi, holds.
+constexpr int unpacked_element(int p, bool hi) { return p / 4 * 8 + (hi ? 4 : 0) + p % 4; }
+
+#define APEX_UNPACKED_OP(op)                                     \
+  template <bool N>                                              \
+  inline Unpacked<N> operator op(Unpacked<N> a, Unpacked<N> b) { \
+    return {a.lo op b.lo, a.hi op b.hi};                         \
+  }                                                              \
+  template <bool N>                                              \
+  inline Unpacked<N> operator op(Unpacked<N> a, float s) {       \
+    return {a.lo op s, a.hi op s};                               \
+  }                                                              \
+  template <bool N>                                              \
+  inline Unpacked<N> operator op(float s, Unpacked<N> a) {       \
+    return {s op a.lo, s op a.hi};                               \
   }
-APEX_EVEN_ODD_OP(+)
-APEX_EVEN_ODD_OP(-)
-APEX_EVEN_ODD_OP(*)
-APEX_EVEN_ODD_OP(/)
-#undef APEX_EVEN_ODD_OP
+APEX_UNPACKED_OP(+)
+APEX_UNPACKED_OP(-)
+APEX_UNPACKED_OP(*)
+APEX_UNPACKED_OP(/)
+#undef APEX_UNPACKED_OP
 
 template <class W>
-inline W get_even_odd(const float* p) {
+inline W get_unpacked(const float* p) {
   return {get_lanes(p), get_lanes(p + kVec)};
 }
 template <class W>
-inline W get_even_odd(const uint16_t* p) {
-  Lanes32 u;
-  std::memcpy(&u, p, sizeof u);
-  const Lanes32 e = u << 16;
-  const Lanes32 o = u & 0xffff0000u;
-  return {reinterpret_cast<Lanes>(e), reinterpret_cast<Lanes>(o)};
+inline W get_unpacked(const uint16_t* p) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i zero = _mm256_setzero_si256();
+  return {reinterpret_cast<Lanes>(_mm256_unpacklo_epi16(zero, u)),
+          reinterpret_cast<Lanes>(_mm256_unpackhi_epi16(zero, u))};
+#else
+  W v;
+  for (int j = 0; j < kVec; ++j) {
+    v.lo[j] = bf16_bits_to_float(p[unpacked_element(j, false)]);
+    v.hi[j] = bf16_bits_to_float(p[unpacked_element(j, true)]);
+  }
+  return v;
+#endif
 }
 template <bool N>
-inline void put_even_odd(float* p, EvenOdd<N> v) {
-  put_lanes(p, v.e);
-  put_lanes(p + kVec, v.o);
+inline void put_unpacked(float* p, Unpacked<N> v) {
+  put_lanes(p, v.lo);
+  put_lanes(p + kVec, v.hi);
 }
 // bf16_round of every lane, as in bf16_round_bits.
 template <bool kMayHoldNan>
-inline void put_even_odd(uint16_t* p, EvenOdd<kMayHoldNan> v) {
-  const auto e = reinterpret_cast<Lanes32>(v.e);
-  const auto o = reinterpret_cast<Lanes32>(v.o);
-  // Bit 16 by two shifts rather than a shift and a mask: one constant register fewer, which the
-  // two-row loop (backward_out2) is short of.
-  Lanes32 re = (e + 0x7fffu + ((e << 15) >> 31)) >> 16;
-  Lanes32 ro = (o + 0x7fffu + ((o << 15) >> 31)) & 0xffff0000u;
-  if constexpr (kMayHoldNan) {
-    re = v.e != v.e ? Lanes32{} + 0x7fc0u : re;
-    ro = v.o != v.o ? Lanes32{} + 0x7fc00000u : ro;
+inline void put_unpacked(uint16_t* p, Unpacked<kMayHoldNan> v) {
+  auto rounded = [](Lanes f) {
+    const auto u = reinterpret_cast<Lanes32>(f);
+    // Bit 16 by two shifts rather than a shift and a mask: one constant register fewer, which
+    // the two-row loop (backward_out2) is short of.
+    Lanes32 r = (u + 0x7fffu + ((u << 15) >> 31)) >> 16;
+    if constexpr (kMayHoldNan) r = f != f ? Lanes32{} + 0x7fc0u : r;
+    return r;
+  };
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // Every lane is below 2^16, so the signed-to-unsigned saturating pack keeps it exactly.
+  const __m256i packed = _mm256_packus_epi32(reinterpret_cast<__m256i>(rounded(v.lo)),
+                                             reinterpret_cast<__m256i>(rounded(v.hi)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+#else
+  const Lanes32 lo = rounded(v.lo);
+  const Lanes32 hi = rounded(v.hi);
+  for (int j = 0; j < kVec; ++j) {
+    p[unpacked_element(j, false)] = static_cast<uint16_t>(lo[j]);
+    p[unpacked_element(j, true)] = static_cast<uint16_t>(hi[j]);
   }
-  const Lanes32 packed = re | ro;
-  std::memcpy(p, &packed, sizeof packed);
+#endif
 }
 
-// src's blocks of 2 * kVec in the even/odd order of EvenOdd (the tail as it is).
-void to_even_odd(const float* __restrict src, float* __restrict dst, int64_t n) {
+// src's blocks of 2 * kVec in the order of Unpacked (lo's elements, then hi's; the tail as it is).
+void to_unpacked(const float* __restrict src, float* __restrict dst, int64_t n) {
   int64_t i = 0;
   for (; i + 2 * kVec <= n; i += 2 * kVec) {
     for (int j = 0; j < kVec; ++j) {
-      dst[i + j] = src[i + 2 * j];
-      dst[i + kVec + j] = src[i + 2 * j + 1];
+      dst[i + j] = src[i + unpacked_element(j, false)];
+      dst[i + kVec + j] = src[i + unpacked_element(j, true)];
     }
   }
   for (; i < n; ++i) dst[i] = src[i];
@@ -311,8 +332,8 @@ template <class W, class T>
 inline W get_as(const T* p, int64_t i) {
   if constexpr (std::is_same_v<W, float>) {
     return get(p, i);
-  } else if constexpr (kIsEvenOdd<W>) {
-    return get_even_odd<W>(p + i);
+  } else if constexpr (kIsUnpacked<W>) {
+    return get_unpacked<W>(p + i);
   } else {
     return get_lanes(p + i);
   }
@@ -321,8 +342,8 @@ template <class T, class W>
 inline void put_as(T* p, int64_t i, W v) {
   if constexpr (std::is_same_v<W, float>) {
     put(p, i, v);
-  } else if constexpr (kIsEvenOdd<W>) {
-    put_even_odd(p + i, v);
+  } else if constexpr (kIsUnpacked<W>) {
+    put_unpacked(p + i, v);
   } else {
     put_lanes(p + i, v);
   }
@@ -347,26 +368,26 @@ __attribute__((always_inline)) inline void for_each_out(int64_t n, F&& body) {
   for (; i < n; ++i) body(float{}, i);
 }
 
-// The same over blocks of 2 * kVec elements as EvenOdd (its rows permuted, see to_even_odd), then
+// The same over blocks of 2 * kVec elements as Unpacked (its rows permuted, see to_unpacked), then
 // elements for the tail. nan_free: no value stored is NaN, or only NaNs that arithmetic made of
 // finite values (see row_is_nan_free).
 template <class F>
-__attribute__((always_inline)) inline void for_each_even_odd(int64_t n, bool nan_free, F&& body) {
+__attribute__((always_inline)) inline void for_each_unpacked(int64_t n, bool nan_free, F&& body) {
   int64_t i = 0;
   if (nan_free) {
-    for (; i + 2 * kVec <= n; i += 2 * kVec) body(EvenOdd<false>{}, i);
+    for (; i + 2 * kVec <= n; i += 2 * kVec) body(Unpacked<false>{}, i);
   } else {
-    for (; i + 2 * kVec <= n; i += 2 * kVec) body(EvenOdd<true>{}, i);
+    for (; i + 2 * kVec <= n; i += 2 * kVec) body(Unpacked<true>{}, i);
   }
 #pragma GCC ivdep
   for (; i < n; ++i) body(float{}, i);
 }
 
-// Runs body over a row of n elements: as EvenOdd blocks (kEO) or as for_each_out does.
-template <bool kEO, class TO, class F>
+// Runs body over a row of n elements: as Unpacked blocks (kUnp) or as for_each_out does.
+template <bool kUnp, class TO, class F>
 __attribute__((always_inline)) inline void for_each_row(int64_t n, bool nan_free, F&& body) {
-  if constexpr (kEO) {
-    for_each_even_odd(n, nan_free, body);
+  if constexpr (kUnp) {
+    for_each_unpacked(n, nan_free, body);
   } else {
     for_each_out<TO>(n, body);
   }
@@ -888,17 +909,17 @@ inline W mul_add(W a, W b, W c) {
   return a * b + c;
 }
 template <bool N>
-inline EvenOdd<N> mul_add(EvenOdd<N> a, EvenOdd<N> b, EvenOdd<N> c) {
-  return {mul_add(a.e, b.e, c.e), mul_add(a.o, b.o, c.o)};
+inline Unpacked<N> mul_add(Unpacked<N> a, Unpacked<N> b, Unpacked<N> c) {
+  return {mul_add(a.lo, b.lo, c.lo), mul_add(a.hi, b.hi, c.hi)};
 }
 
-// y = (x - mean) * rstd [* w] [+ b] over n elements (either of w and b may be absent). kEO: every
-// row bf16, read as EvenOdd; nan_free as for for_each_even_odd.
-template <bool kEO, class TX, class TY, class TW>
+// y = (x - mean) * rstd [* w] [+ b] over n elements (either of w and b may be absent). kUnp: every
+// row bf16, read as Unpacked; nan_free as for for_each_unpacked.
+template <bool kUnp, class TX, class TY, class TW>
 void norm_output(const TX* __restrict x, const TW* __restrict w, const TW* __restrict b,
                  TY* __restrict y, int64_t n, float mean, float rstd, bool nan_free) {
   auto rows = [&](auto has_w, auto has_b) {
-    for_each_row<kEO, TY>(n, nan_free, [&](auto z, int64_t i) {
+    for_each_row<kUnp, TY>(n, nan_free, [&](auto z, int64_t i) {
       using W = decltype(z);
       W v = (get_as<W>(x, i) - mean) * rstd;
       if constexpr (has_w && has_b) {
@@ -977,14 +998,14 @@ template <class XS, class YS, class TW>
 void forward_rows(const NormForwardArgs& a, int64_t begin, int64_t end, const TW* w, const TW* b,
                   float* scratch) {
   const int64_t cols = a.cols;
-  // Every row bf16 (the parameters too, or absent): the EvenOdd loops. Their output skips the
+  // Every row bf16 (the parameters too, or absent): the Unpacked loops. Their output skips the
   // rounding's NaN test where the row's moments and the parameters are finite (these looked at
   // once per call of 4+ rows; an Inf weight over a zero x_hat gives the x86 default NaN, which the
   // unchecked rounding would write as 0xffc0).
-  constexpr bool kEO = kEvenOddRows && std::is_same_v<XS, uint16_t> &&
-                       std::is_same_v<YS, uint16_t> && std::is_same_v<TW, uint16_t>;
+  constexpr bool kUnp = kUnpackedRows && std::is_same_v<XS, uint16_t> &&
+                        std::is_same_v<YS, uint16_t> && std::is_same_v<TW, uint16_t>;
   bool params_finite = false;
-  if constexpr (kEO) {
+  if constexpr (kUnp) {
     params_finite = end - begin >= 4 && bf16_finite(w, cols) && bf16_finite(b, cols);
   }
   for (int64_t r = begin; r < end; ++r) {
@@ -1007,7 +1028,7 @@ void forward_rows(const NormForwardArgs& a, int64_t begin, int64_t end, const TW
       // b no lane of y can be NaN.
       const bool nan_free =
           params_finite && std::isfinite(mean) && std::isfinite(var) && std::isfinite(rstd);
-      norm_output<kEO>(xr, w, b, ys, cols, mean, rstd, nan_free);
+      norm_output<kUnp>(xr, w, b, ys, cols, mean, rstd, nan_free);
     }
     if (!a.rms) a.mean[r] = mean;
     a.rstd[r] = rstd;
@@ -1070,18 +1091,24 @@ inline W dx_of(const RowCoef& c, W dy, W w, W x_hat) {
 // (backward_out) finds the row in cache, writes dx and adds dy * x_hat and dy to the dw/db
 // partials. `out` (dx's row, or null): its lines are requested for writing along the way, so that
 // their write-allocate reads overlap this pass's loads instead of stalling the second pass's
-// stores. Always in the natural order, also where the second pass reads bf16 rows as EvenOdd: the
-// sums then have the fp32 rows' partials, element for element, so a bf16 dx is the fp32 dx
-// rounded (summed as even and odd halves, c_0 and c_x differed in their last bits, and a dx that
-// cancels to near zero by more than its rounding).
-template <bool kFromOutput, int V, class TS, class TD>
+// stores. kUnp: bf16 rows read as Unpacked (w permuted to match), for V = 2 only: then each lane
+// of the two registers adds the same elements in the same order as the fp32 rows' (each register
+// holds half of each), and the lanes are put back in place before they are combined, so the sums
+// are the fp32 rows' bit for bit and a bf16 dx is the fp32 dx rounded. (Summed as even and odd
+// elements, as a first version did, c_0 and c_x differed in their last bits, and a dx cancelling
+// to near zero by more than its rounding: test Bf16BackwardSumsAsFp32.)
+template <bool kFromOutput, int V, bool kUnp, class TS, class TD>
 inline RowCoef backward_sums(const BackwardRow& r, float mean, float rstd, const TS* __restrict src,
                              const TD* __restrict dy, const char* out, int64_t out_elem) {
+  constexpr bool kU = kUnp && V == 2;
+  using P = std::conditional_t<kU, Unpacked<true>, Lanes>;
+  constexpr int kRegs = kU ? 1 : V;
+  constexpr int kStep = kU ? 2 * kVec : kVec;
   const int64_t cols = r.cols;
   const float* __restrict w = r.w;
   const float* __restrict b = r.b;
-  Lanes acc_g[V] = {};
-  Lanes acc_gx[V] = {};
+  P acc_g[kRegs] = {};
+  P acc_gx[kRegs] = {};
   int64_t i = 0;
   for (; i + V * kVec <= cols; i += V * kVec) {
     if (out != nullptr) {
@@ -1089,11 +1116,11 @@ inline RowCoef backward_sums(const BackwardRow& r, float mean, float rstd, const
         __builtin_prefetch(out + i * out_elem + l, 1);
       }
     }
-    for (int v = 0; v < V; ++v) {
-      const int64_t k = i + v * kVec;
-      const Lanes g = get_lanes(dy + k) * get_lanes(w + k);
-      acc_g[v] += g;
-      acc_gx[v] += g * x_hat<kFromOutput, Lanes>(src, r.wd, b, mean, rstd, k);
+    for (int v = 0; v < kRegs; ++v) {
+      const int64_t k = i + v * kStep;
+      const P g = get_as<P>(dy, k) * get_as<P>(w, k);
+      acc_g[v] = acc_g[v] + g;
+      acc_gx[v] = acc_gx[v] + g * x_hat<kFromOutput, P>(src, r.wd, b, mean, rstd, k);
     }
   }
   float tail_g = 0.0f;
@@ -1103,9 +1130,31 @@ inline RowCoef backward_sums(const BackwardRow& r, float mean, float rstd, const
     tail_g += g;
     tail_gx += g * x_hat<kFromOutput, float>(src, r.wd, b, mean, rstd, i);
   }
+  // The partials as V registers in the natural order, then combined. (Not through memory: a
+  // memcpy of the accumulators made GCC keep them in memory through the loop.)
+  auto natural = [](P(&acc)[kRegs]) {
+    if constexpr (kU) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+      // The 128-bit halves: lo holds elements 0-3 and 8-11, hi 4-7 and 12-15.
+      Lanes regs[V] = {__builtin_shufflevector(acc[0].lo, acc[0].hi, 0, 1, 2, 3, 8, 9, 10, 11),
+                       __builtin_shufflevector(acc[0].lo, acc[0].hi, 4, 5, 6, 7, 12, 13, 14, 15)};
+#else
+      Lanes regs[V];
+      for (int j = 0; j < kVec; ++j) {
+        const int lo = unpacked_element(j, false);
+        const int hi = unpacked_element(j, true);
+        regs[lo / kVec][lo % kVec] = acc[0].lo[j];
+        regs[hi / kVec][hi % kVec] = acc[0].hi[j];
+      }
+#endif
+      return combine(regs);
+    } else {
+      return combine(acc);
+    }
+  };
   const float inv_n = 1.0f / static_cast<float>(cols);
-  return {mean, rstd, r.rms ? 0.0f : (combine(acc_g) + tail_g) * inv_n,
-          (combine(acc_gx) + tail_gx) * inv_n};
+  return {mean, rstd, r.rms ? 0.0f : (natural(acc_g) + tail_g) * inv_n,
+          (natural(acc_gx) + tail_gx) * inv_n};
 }
 
 // A row whose dx rounds to bf16 without the NaN test: its sums are finite, so every g and x_hat
@@ -1121,7 +1170,7 @@ inline bool row_is_nan_free(const RowCoef& c) {
 // The second pass of one row. The row constants are taken by value and the pointers copied, so
 // that the loop keeps them in registers: from a reference, each iteration loaded them again, since
 // its stores might alias them.
-template <bool kFromOutput, bool kEO, class TS, class TD, class TO>
+template <bool kFromOutput, bool kUnp, class TS, class TD, class TO>
 inline void backward_out(const BackwardRow& r, const RowCoef c, const TS* __restrict src,
                          const TD* __restrict dy, TO* __restrict out) {
   const float* __restrict w = r.w;
@@ -1129,7 +1178,7 @@ inline void backward_out(const BackwardRow& r, const RowCoef c, const TS* __rest
   const float* __restrict b = r.b;
   float* __restrict dw = r.dw_part;
   float* __restrict db = r.db_part;
-  for_each_row<kEO, TO>(r.cols, row_is_nan_free(c), [&](auto z, int64_t k) {
+  for_each_row<kUnp, TO>(r.cols, row_is_nan_free(c), [&](auto z, int64_t k) {
     using W = decltype(z);
     const W d = get_as<W>(dy, k);
     const W xh = x_hat<kFromOutput, W>(src, wd, b, c.mean, c.rstd, k);
@@ -1143,7 +1192,7 @@ inline void backward_out(const BackwardRow& r, const RowCoef c, const TS* __rest
 // stored once for both (for wide rows they come from L2, and were 6 of the 11 accesses per
 // element of a single row's pass). The partials take the first row's terms, then the second's,
 // as two single rows would add them.
-template <bool kFromOutput, bool kEO, class TS, class TD, class TO>
+template <bool kFromOutput, bool kUnp, class TS, class TD, class TO>
 inline void backward_out2(const BackwardRow& r, const RowCoef c0, const RowCoef c1,
                           const TS* __restrict src0, const TS* __restrict src1,
                           const TD* __restrict dy0, const TD* __restrict dy1, TO* __restrict out0,
@@ -1154,7 +1203,7 @@ inline void backward_out2(const BackwardRow& r, const RowCoef c0, const RowCoef 
   float* __restrict dw = r.dw_part;
   float* __restrict db = r.db_part;
   const bool nan_free = row_is_nan_free(c0) && row_is_nan_free(c1);
-  for_each_row<kEO, TO>(r.cols, nan_free, [&](auto z, int64_t k) {
+  for_each_row<kUnp, TO>(r.cols, nan_free, [&](auto z, int64_t k) {
     using W = decltype(z);
     const W wk = get_as<W>(w, k);
     const W d0 = get_as<W>(dy0, k);
@@ -1192,16 +1241,14 @@ void add_to_double(const float* __restrict src, double* __restrict dst, int64_t 
   }
 }
 
-// add_to_double of partials kept in the even/odd order (to_even_odd), into dst's natural order.
-void add_to_double_even_odd(const float* __restrict src, double* __restrict dst, int64_t n,
+// add_to_double of partials kept in the order of Unpacked (to_unpacked), into dst's natural order.
+void add_to_double_unpacked(const float* __restrict src, double* __restrict dst, int64_t n,
                             bool first) {
   int64_t i = 0;
   for (; i + 2 * kVec <= n; i += 2 * kVec) {
-    for (int j = 0; j < kVec; ++j) {
-      const double e = src[i + j];
-      const double o = src[i + kVec + j];
-      dst[i + 2 * j] = first ? e : dst[i + 2 * j] + e;
-      dst[i + 2 * j + 1] = first ? o : dst[i + 2 * j + 1] + o;
+    for (int j = 0; j < 2 * kVec; ++j) {
+      const int64_t e = i + unpacked_element(j % kVec, j >= kVec);
+      dst[e] = first ? static_cast<double>(src[i + j]) : dst[e] + src[i + j];
     }
   }
   for (; i < n; ++i) dst[i] = first ? static_cast<double>(src[i]) : dst[i] + src[i];
@@ -1237,20 +1284,20 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
                            : half_a_page_from(blk.scratch + 3 * stride,
                                               static_cast<stored_t<OS>*>(a.dx) + blk.begin * cols);
   const BackwardRow row{cols, a.rms, blk.w, blk.wd, blk.b, parts, parts + stride};
-  // bf16 rows with a dx to write take the EvenOdd loops in their second pass (out_row), with w
+  // bf16 rows with a dx to write take the Unpacked loops (out_row), with w
   // (and from the output wd and b) permuted into scratch regions 0-2, which only fp16 rows use
   // otherwise, and the partials in the same order. The sums' pass and the dx-less loop keep the
   // natural order.
-  constexpr bool kEO = kEvenOddRows && std::is_same_v<SS, uint16_t> &&
-                       std::is_same_v<DS, uint16_t> && std::is_same_v<OS, uint16_t>;
-  const bool even_odd = kEO && a.dx != nullptr;
+  constexpr bool kUnp = kUnpackedRows && std::is_same_v<SS, uint16_t> &&
+                        std::is_same_v<DS, uint16_t> && std::is_same_v<OS, uint16_t>;
+  const bool unpacked = kUnp && a.dx != nullptr;
   BackwardRow out_row = row;
-  if (even_odd) {
-    to_even_odd(blk.w, blk.scratch, cols);
+  if (unpacked) {
+    to_unpacked(blk.w, blk.scratch, cols);
     out_row.w = blk.scratch;
     if constexpr (kFromOutput) {
-      to_even_odd(blk.wd, blk.scratch + stride, cols);
-      to_even_odd(blk.b, blk.scratch + 2 * stride, cols);
+      to_unpacked(blk.wd, blk.scratch + stride, cols);
+      to_unpacked(blk.b, blk.scratch + 2 * stride, cols);
       out_row.wd = blk.scratch + stride;
       out_row.b = blk.scratch + 2 * stride;
     }
@@ -1261,7 +1308,7 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
     if (blk.dw_sum == nullptr) return;
     for (auto [part, sum] :
          {std::pair{row.dw_part, blk.dw_sum}, std::pair{row.db_part, blk.db_sum}}) {
-      even_odd ? add_to_double_even_odd(part, sum, cols, first)
+      unpacked ? add_to_double_unpacked(part, sum, cols, first)
                : add_to_double(part, sum, cols, first);
     }
   };
@@ -1276,8 +1323,8 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
   // The row's mean as x_hat takes it (none for RMSNorm, or from the output).
   auto mean_of = [&](int64_t r) { return a.rms || kFromOutput ? 0.0f : a.mean[r]; };
   auto coef = [&](int64_t r, const auto* src_row, const auto* dy_row) {
-    return backward_sums<kFromOutput, V>(
-        row, mean_of(r), a.rstd[r], src_row, dy_row,
+    return backward_sums<kFromOutput, V, kUnp>(
+        kUnp && V == 2 ? out_row : row, mean_of(r), a.rstd[r], src_row, dy_row,
         prefetch_dx ? reinterpret_cast<const char*>(dx_at(r)) : nullptr,
         static_cast<int64_t>(sizeof(stored_t<OS>)));
   };
@@ -1318,8 +1365,8 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
       if (pairs && r + 1 < blk.end) {
         const RowCoef c0 = coef(r, src_at(r), dy_at(r));
         const RowCoef c1 = coef(r + 1, src_at(r + 1), dy_at(r + 1));
-        backward_out2<kFromOutput, kEO>(out_row, c0, c1, src_at(r), src_at(r + 1), dy_at(r),
-                                        dy_at(r + 1), dx_at(r), dx_at(r + 1));
+        backward_out2<kFromOutput, kUnp>(out_row, c0, c1, src_at(r), src_at(r + 1), dy_at(r),
+                                         dy_at(r + 1), dx_at(r), dx_at(r + 1));
         r += 2;
         continue;
       }
@@ -1336,7 +1383,7 @@ void backward_block(const NormBackwardArgs& a, const NormBackwardBlock& blk) {
       backward_out<kFromOutput, false>(row, c, src_row, dy_row, tmp);
       float_to_half(tmp, dx_at(r), cols);
     } else {
-      backward_out<kFromOutput, kEO>(out_row, c, src_row, dy_row, dx_at(r));
+      backward_out<kFromOutput, kUnp>(out_row, c, src_row, dy_row, dx_at(r));
     }
     ++r;
   }
@@ -1370,7 +1417,7 @@ const IsaTable kTable = {
     APEX_STR(APEX_CPU_ISA), scale_chunk,    axpby_chunk,     non_finite_chunk,  sumsq_chunk,
     absmax_chunk,           adam_chunk,     sgd_chunk,       adagrad_chunk,     lamb_stage1_chunk,
     lamb_stage2_chunk,      novograd_chunk, to_float_values, from_float_values, norm_forward_rows,
-    norm_backward_block,    kEvenOddRows,
+    norm_backward_block,    kUnpackedRows,
 };
 
 }  // namespace
