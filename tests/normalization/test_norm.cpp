@@ -502,8 +502,8 @@ TEST(FusedNorm, RowsOfHugeValues) {
 // from a negative NaN with a payload (0xffc1, written as bits: a float NaN assigned to a bf16
 // tensor becomes 0x7fc0), which the hardware's bf16 conversion would keep. 96 columns take the
 // short-row kernels, 1000 the wide ones with a partial last vector, 8192 the backward's row pairs,
-// 23 one block of 16 and a tail (the AVX2 kernels read bf16 rows 16 elements at a time, as even
-// and odd halves of 32-bit words). LayerNorm with and without weight and bias, RMSNorm, and
+// 23 one block of 16 and a tail (the AVX2 kernels read bf16 rows 16 elements at a time,
+// interleaved with zeros). LayerNorm with and without weight and bias, RMSNorm, and
 // LayerNorm whose weight holds a NaN with a payload in one column, and RMSNorm whose weight holds
 // +Inf over a column of zeros (0 * Inf: the x86 default NaN, 0xffc00000): the AVX2 forward looks
 // at the parameters once, to skip the rounding's NaN test where they are finite. (Not
@@ -572,12 +572,15 @@ TEST(FusedNorm, Bf16OutputsAreRoundedFp32Results) {
 // differently: 32 columns (one register of partials; found in review), where sum(dy) is 1 and
 // dx at column 2 is exactly 0; 256 columns (two registers), where sum(dy) is 2^-22 (even/odd
 // halves give 5 * 2^-24, the AVX2 order without putting the lanes back 3 * 2^-23) and is all of
-// dx at every column where dy is 0.
+// dx at every column where dy is 0. And the same 256 dy on an RMSNorm row of ones, where they are
+// the terms of sum(g * x_hat) (eps 1e-30, so that rstd is exactly 1).
 TEST(FusedNorm, Bf16BackwardSumsAsFp32) {
-  for (const int64_t cols : {32, 256}) {
-    auto x = at::zeros({1, cols});
-    auto dy = at::zeros({1, cols});
-    if (cols == 32) {
+  for (const int64_t cols : {32, 256, -256}) {
+    const bool rms = cols < 0;
+    const int64_t n = rms ? -cols : cols;
+    auto x = rms ? at::ones({1, n}) : at::zeros({1, n});
+    auto dy = at::zeros({1, n});
+    if (n == 32) {
       x[0][3] = 1.0;
       x[0][4] = -1.0;
       dy[0][0] = 31.0 / 32;
@@ -585,8 +588,10 @@ TEST(FusedNorm, Bf16BackwardSumsAsFp32) {
       dy[0][8] = std::ldexp(1.0, -24);
       dy[0][9] = std::ldexp(1.0, -24);
     } else {
-      x[0][20] = 1.0;
-      x[0][21] = -1.0;
+      if (!rms) {
+        x[0][20] = 1.0;
+        x[0][21] = -1.0;
+      }
       dy[0][0] = 1.0;
       dy[0][1] = -1.0;
       dy[0][4] = 3 * std::ldexp(1.0, -24);
@@ -596,16 +601,21 @@ TEST(FusedNorm, Bf16BackwardSumsAsFp32) {
     std::vector<at::Tensor> dx;
     for (auto t : {at::kBFloat16, at::kFloat}) {
       auto xt = x.to(t).set_requires_grad(true);
-      fused_layer_norm(xt, {cols}, at::Tensor(), at::Tensor()).backward(dy.to(t));
+      const auto y = rms ? fused_rms_norm(xt, {n}, at::Tensor(), 1e-30)
+                         : fused_layer_norm(xt, {n}, at::Tensor(), at::Tensor());
+      y.backward(dy.to(t));
       dx.push_back(xt.grad());
     }
-    if (cols == 32) {
+    const std::string what = std::to_string(n) + (rms ? " columns, RMSNorm" : " columns");
+    if (n == 32) {
       EXPECT_EQ(dx[1][0][2].item<float>(), 0.0f);
     } else {
-      const double rstd = 1.0 / std::sqrt(2.0 / cols + 1e-5);
-      EXPECT_NEAR(dx[1][0][30].item<double>(), -rstd * std::ldexp(1.0, -22) / cols, 1e-15);
+      // The sum is 2^-22 (other orders: 3 * 2^-23 or 5 * 2^-24).
+      const double rstd = rms ? 1.0 : 1.0 / std::sqrt(2.0 / n + 1e-5);
+      const double want = -rstd * std::ldexp(1.0, -22) / n;
+      EXPECT_NEAR(dx[1][0][30].item<double>(), want, 1e-4 * std::abs(want)) << what;
     }
-    EXPECT_TRUE(bf16_rounding_of(dx[0], dx[1], kNearTie)) << cols << " columns";
+    EXPECT_TRUE(bf16_rounding_of(dx[0], dx[1], kNearTie)) << what;
   }
 }
 

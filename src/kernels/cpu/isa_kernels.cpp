@@ -1096,7 +1096,10 @@ inline W dx_of(const RowCoef& c, W dy, W w, W x_hat) {
 // holds half of each), and the lanes are put back in place before they are combined, so the sums
 // are the fp32 rows' bit for bit and a bf16 dx is the fp32 dx rounded. (Summed as even and odd
 // elements, as a first version did, c_0 and c_x differed in their last bits, and a dx cancelling
-// to near zero by more than its rounding: test Bf16BackwardSumsAsFp32.)
+// to near zero by more than its rounding: test Bf16BackwardSumsAsFp32.) Products are added with
+// mul_add here and in the dw partials, not left to the compiler's contraction, so that the loops
+// whose bits must agree (the fp32 and the Unpacked sums; the full and the dx-less backward's dw)
+// fuse them alike.
 template <bool kFromOutput, int V, bool kUnp, class TS, class TD>
 inline RowCoef backward_sums(const BackwardRow& r, float mean, float rstd, const TS* __restrict src,
                              const TD* __restrict dy, const char* out, int64_t out_elem) {
@@ -1120,7 +1123,7 @@ inline RowCoef backward_sums(const BackwardRow& r, float mean, float rstd, const
       const int64_t k = i + v * kStep;
       const P g = get_as<P>(dy, k) * get_as<P>(w, k);
       acc_g[v] = acc_g[v] + g;
-      acc_gx[v] = acc_gx[v] + g * x_hat<kFromOutput, P>(src, r.wd, b, mean, rstd, k);
+      acc_gx[v] = mul_add(g, x_hat<kFromOutput, P>(src, r.wd, b, mean, rstd, k), acc_gx[v]);
     }
   }
   float tail_g = 0.0f;
@@ -1128,7 +1131,7 @@ inline RowCoef backward_sums(const BackwardRow& r, float mean, float rstd, const
   for (; i < cols; ++i) {
     const float g = get(dy, i) * w[i];
     tail_g += g;
-    tail_gx += g * x_hat<kFromOutput, float>(src, r.wd, b, mean, rstd, i);
+    tail_gx = mul_add(g, x_hat<kFromOutput, float>(src, r.wd, b, mean, rstd, i), tail_gx);
   }
   // The partials as V registers in the natural order, then combined. (Not through memory: a
   // memcpy of the accumulators made GCC keep them in memory through the loop.)
@@ -1183,7 +1186,7 @@ inline void backward_out(const BackwardRow& r, const RowCoef c, const TS* __rest
     const W d = get_as<W>(dy, k);
     const W xh = x_hat<kFromOutput, W>(src, wd, b, c.mean, c.rstd, k);
     put_as(out, k, dx_of(c, d, get_as<W>(w, k), xh));
-    put_as(dw, k, get_as<W>(dw, k) + d * xh);
+    put_as(dw, k, mul_add(d, xh, get_as<W>(dw, k)));
     put_as(db, k, get_as<W>(db, k) + d);
   });
 }
@@ -1212,7 +1215,7 @@ inline void backward_out2(const BackwardRow& r, const RowCoef c0, const RowCoef 
     const W xh1 = x_hat<kFromOutput, W>(src1, wd, b, c1.mean, c1.rstd, k);
     put_as(out0, k, dx_of(c0, d0, wk, xh0));
     put_as(out1, k, dx_of(c1, d1, wk, xh1));
-    put_as(dw, k, get_as<W>(dw, k) + d0 * xh0 + d1 * xh1);
+    put_as(dw, k, mul_add(d1, xh1, mul_add(d0, xh0, get_as<W>(dw, k))));
     put_as(db, k, get_as<W>(db, k) + d0 + d1);
   });
 }
@@ -1228,7 +1231,7 @@ inline void backward_params(const BackwardRow& r, float mean, float rstd, const 
   for (int64_t k = 0; k < r.cols; ++k) {
     const float d = get(dy, k);
     const float xh = x_hat<kFromOutput, float>(src, r.wd, r.b, mean, rstd, k);
-    dw[k] = dw[k] + d * xh;
+    dw[k] = mul_add(d, xh, dw[k]);
     db[k] = db[k] + d;
   }
 }
