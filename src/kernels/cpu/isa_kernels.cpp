@@ -276,12 +276,8 @@ inline W get_unpacked(const uint16_t* p) {
   return {reinterpret_cast<Lanes>(_mm256_unpacklo_epi16(zero, u)),
           reinterpret_cast<Lanes>(_mm256_unpackhi_epi16(zero, u))};
 #else
-  W v;
-  for (int j = 0; j < kVec; ++j) {
-    v.lo[j] = bf16_bits_to_float(p[unpacked_element(j, false)]);
-    v.hi[j] = bf16_bits_to_float(p[unpacked_element(j, true)]);
-  }
-  return v;
+  static_assert(sizeof(W) == 0, "Unpacked rows are AVX2's only (kUnpackedRows)");
+  return W{};
 #endif
 }
 template <bool N>
@@ -292,26 +288,21 @@ inline void put_unpacked(float* p, Unpacked<N> v) {
 // bf16_round of every lane, as in bf16_round_bits.
 template <bool kMayHoldNan>
 inline void put_unpacked(uint16_t* p, Unpacked<kMayHoldNan> v) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
   auto rounded = [](Lanes f) {
     const auto u = reinterpret_cast<Lanes32>(f);
     // Bit 16 by two shifts rather than a shift and a mask: one constant register fewer, which
     // the two-row loop (backward_out2) is short of.
     Lanes32 r = (u + 0x7fffu + ((u << 15) >> 31)) >> 16;
     if constexpr (kMayHoldNan) r = f != f ? Lanes32{} + 0x7fc0u : r;
-    return r;
+    return reinterpret_cast<__m256i>(r);
   };
-#if defined(__AVX2__) && !defined(__AVX512F__)
   // Every lane is below 2^16, so the signed-to-unsigned saturating pack keeps it exactly.
-  const __m256i packed = _mm256_packus_epi32(reinterpret_cast<__m256i>(rounded(v.lo)),
-                                             reinterpret_cast<__m256i>(rounded(v.hi)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm256_packus_epi32(rounded(v.lo), rounded(v.hi)));
 #else
-  const Lanes32 lo = rounded(v.lo);
-  const Lanes32 hi = rounded(v.hi);
-  for (int j = 0; j < kVec; ++j) {
-    p[unpacked_element(j, false)] = static_cast<uint16_t>(lo[j]);
-    p[unpacked_element(j, true)] = static_cast<uint16_t>(hi[j]);
-  }
+  static_assert(sizeof(v) == 0, "Unpacked rows are AVX2's only (kUnpackedRows)");
+  (void)p;
 #endif
 }
 
@@ -1141,16 +1132,11 @@ inline RowCoef backward_sums(const BackwardRow& r, float mean, float rstd, const
       // The 128-bit halves: lo holds elements 0-3 and 8-11, hi 4-7 and 12-15.
       Lanes regs[V] = {__builtin_shufflevector(acc[0].lo, acc[0].hi, 0, 1, 2, 3, 8, 9, 10, 11),
                        __builtin_shufflevector(acc[0].lo, acc[0].hi, 4, 5, 6, 7, 12, 13, 14, 15)};
-#else
-      Lanes regs[V];
-      for (int j = 0; j < kVec; ++j) {
-        const int lo = unpacked_element(j, false);
-        const int hi = unpacked_element(j, true);
-        regs[lo / kVec][lo % kVec] = acc[0].lo[j];
-        regs[hi / kVec][hi % kVec] = acc[0].hi[j];
-      }
-#endif
       return combine(regs);
+#else
+      static_assert(!kU, "Unpacked rows are AVX2's only (kUnpackedRows)");
+      return 0.0f;
+#endif
     } else {
       return combine(acc);
     }
