@@ -10,4 +10,5 @@
 #include <apex/amp/utils.h>
 #include <apex/normalization.h>
 #include <apex/optim.h>
+#include <apex/parallel.h>
 #include <apex/serialize.h>

@@ -399,7 +399,7 @@ namespace {
 
 // O1-O3 on a CPU without bf16/fp16 matrix instructions: LibTorch multiplies the half dtype in a
 // scalar loop there (1.1 GFLOP/s against 63 for fp32 on an AVX2 Zen 3), and the step runs tens of
-// times slower than at O0. Said at each such initialize, with what was measured.
+// times slower than at O0. Said at each such initialize; decided from the CPU's features.
 void warn_if_half_matmuls_are_slow(const detail::AmpState& st) {
   const auto& p = st.props;
   const bool cast = p.cast_model_type && *p.cast_model_type != at::kFloat;
@@ -410,12 +410,11 @@ void warn_if_half_matmuls_are_slow(const detail::AmpState& st) {
   }
   if (!on_cpu) return;
   const c10::ScalarType t = cast ? *p.cast_model_type : p.half_dtype;
-  const double speed = cpu_half_matmul_speed(t);
-  if (speed < kSlowHalfMatmulSpeed) {
+  if (!cpu_half_matmul_is_fast(t)) {
     TORCH_WARN("apex::amp: ", to_string(p.opt_level), " computes matmuls in ", t,
-               ", which LibTorch runs at ", speed,
-               "x its Float speed on this CPU (it has fast ones only with AVX-512, AVX512-BF16 or "
-               "AMX), so training will be slower than at O0 here");
+               ", which LibTorch multiplies in a scalar loop on this CPU (it has fast ones only "
+               "with AVX-512, AVX512-BF16, AVX512-FP16 or AMX), so training will be slower than "
+               "at O0 here");
   }
 }
 

@@ -1,4 +1,5 @@
 #include <apex/amp/utils.h>
+#include <apex/parallel/sync_batch_norm.h>
 
 #include <ATen/ops/linspace.h>
 #include <ATen/ops/matmul.h>
@@ -7,6 +8,12 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/optim/optimizer.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
+#include <ATen/Context.h>
 
 #include <algorithm>
 #include <chrono>
@@ -57,7 +64,63 @@ double matmul_seconds(c10::ScalarType dtype) {
   return best;
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+struct CpuidRegs {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+};
+
+CpuidRegs cpuid(unsigned leaf, unsigned subleaf) {
+  CpuidRegs r;
+  if (__get_cpuid_count(leaf, subleaf, &r.a, &r.b, &r.c, &r.d) == 0) return {};
+  return r;
+}
+
+bool bit(unsigned value, int i) { return ((value >> i) & 1U) != 0; }
+
+CpuHalfSupport detect() {
+  CpuHalfSupport s;
+  const CpuidRegs l1 = cpuid(1, 0);
+  if (!bit(l1.c, 27)) return s;  // no OSXSAVE: the OS saves no AVX state at all
+  unsigned xcr0_lo = 0, xcr0_hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  const bool os_avx = (xcr0_lo & 0x6U) == 0x6U;                 // XMM and YMM state
+  const bool os_avx512 = os_avx && (xcr0_lo & 0xe0U) == 0xe0U;  // opmask, ZMM_Hi256, Hi16_ZMM
+  const bool os_amx = ((xcr0_lo >> 17) & 0x3U) == 0x3U;         // XTILECFG, XTILEDATA
+  const CpuidRegs l7 = cpuid(7, 0);
+  const CpuidRegs l71 = l7.a >= 1 ? cpuid(7, 1) : CpuidRegs{};
+  s.avx512_core = os_avx512 && bit(l7.b, 16) && bit(l7.b, 17) && bit(l7.b, 30) && bit(l7.b, 31);
+  s.avx512_bf16 = s.avx512_core && bit(l71.a, 5);
+  s.avx512_fp16 = s.avx512_core && bit(l7.d, 23);
+  s.amx_bf16 = os_amx && bit(l7.d, 24) && bit(l7.d, 22);
+  s.amx_fp16 = os_amx && bit(l7.d, 24) && bit(l71.a, 21);
+  s.avx_ne_convert = os_avx && bit(l71.d, 5);
+  return s;
+}
+#else
+CpuHalfSupport detect() { return {}; }
+#endif
+
 }  // namespace
+
+const CpuHalfSupport& cpu_half_support() {
+  static const CpuHalfSupport support = [] {
+    CpuHalfSupport s = detect();
+    s.onednn = at::hasMKLDNN() && at::globalContext().userEnabledMkldnn();
+    return s;
+  }();
+  return support;
+}
+
+bool cpu_half_matmul_is_fast(c10::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
+              "apex::amp::cpu_half_matmul_is_fast: expected Half or BFloat16, got ", dtype);
+  const CpuHalfSupport& s = cpu_half_support();
+  if (!s.onednn) return false;
+  if (dtype == at::kBFloat16) {
+    return s.avx512_core || s.avx512_bf16 || s.amx_bf16 || s.avx_ne_convert;
+  }
+  return s.avx512_fp16 || s.amx_fp16 || s.avx_ne_convert;
+}
 
 double cpu_half_matmul_speed(c10::ScalarType dtype) {
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
@@ -78,6 +141,7 @@ double cpu_half_matmul_speed(c10::ScalarType dtype) {
 
 bool is_affine_batchnorm(const torch::nn::Module& module) {
   return affine_bn_as<torch::nn::BatchNorm1dImpl>(module) ||
+         affine_bn_as<apex::parallel::SyncBatchNormImpl>(module) ||
          affine_bn_as<torch::nn::BatchNorm2dImpl>(module) ||
          affine_bn_as<torch::nn::BatchNorm3dImpl>(module);
 }

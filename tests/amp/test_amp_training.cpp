@@ -3,7 +3,9 @@
 #include <apex/amp/utils.h>
 
 #include <chrono>
+#include <fstream>
 #include <set>
+#include <sstream>
 
 using apex::amp::Amp;
 using apex::amp::LossScale;
@@ -327,34 +329,35 @@ TEST(AmpTraining, DisabledHandleIsPlainTraining) {
   EXPECT_TRUE(all_equal(a->parameters(), b->parameters()));
 }
 
-// The probe of LibTorch's half-precision matmul speed on this CPU: it classifies the machine as a
-// direct timing of larger matmuls does (the two classes lie ~50x apart: ~0.02 on AVX2-only CPUs,
-// ~1 or more with AVX-512/AVX512-BF16/AMX), is measured once, and initialize warns exactly where it
-// is slow.
-TEST(AmpCpu, HalfMatmulSpeedProbe) {
+// The decision whether LibTorch's half matmuls are fast here comes from the CPU's features, read
+// from cpuid: checked against the kernel's own reading of them (/proc/cpuinfo's flags), and
+// initialize warns exactly where the dtype is slow.
+TEST(AmpCpu, HalfMatmulDecisionFollowsCpuFlags) {
+  EXPECT_TRUE(throws_with([] { apex::amp::cpu_half_matmul_is_fast(at::kFloat); },
+                          "expected Half or BFloat16, got Float"));
   EXPECT_TRUE(throws_with([] { apex::amp::cpu_half_matmul_speed(at::kFloat); },
                           "expected Half or BFloat16, got Float"));
-  const double speed = apex::amp::cpu_half_matmul_speed(at::kBFloat16);
-  ASSERT_TRUE(std::isfinite(speed) && speed > 0.0) << speed;
-  EXPECT_EQ(apex::amp::cpu_half_matmul_speed(at::kBFloat16), speed);
-  // 256^3, per call: the best of three batches of enough calls to last ~5 ms.
-  const auto seconds = [](at::ScalarType t) {
-    const at::Tensor a = at::randn({256, 256}).to(t);
-    const auto batch = [&](int calls) {
-      const auto t0 = std::chrono::steady_clock::now();
-      for (int i = 0; i < calls; ++i) at::matmul(a, a);
-      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / calls;
-    };
-    int calls = 1;
-    while (calls < 4096 && batch(calls) * calls < 5e-3) calls *= 2;
-    return std::min({batch(calls), batch(calls), batch(calls)});
-  };
-  const double direct = seconds(at::kFloat) / seconds(at::kBFloat16);
-  if (speed < apex::amp::kSlowHalfMatmulSpeed) {
-    EXPECT_LT(direct, 0.5) << speed;
-  } else {
-    EXPECT_GT(direct, 0.125) << speed;
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  std::set<std::string> flags;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("flags", 0) != 0) continue;
+    std::istringstream words(line.substr(line.find(':') + 1));
+    for (std::string w; words >> w;) flags.insert(w);
+    break;
   }
+  ASSERT_FALSE(flags.empty()) << "no flags line in /proc/cpuinfo";
+  const auto has = [&](const char* f) { return flags.count(f) > 0; };
+  const apex::amp::CpuHalfSupport& s = apex::amp::cpu_half_support();
+  EXPECT_EQ(s.avx512_core, has("avx512f") && has("avx512bw") && has("avx512vl") && has("avx512dq"));
+  EXPECT_EQ(s.avx512_bf16, s.avx512_core && has("avx512_bf16"));
+  EXPECT_EQ(s.avx512_fp16, s.avx512_core && has("avx512_fp16"));
+  EXPECT_EQ(s.amx_bf16, has("amx_bf16") && has("amx_tile"));
+  const bool onednn = at::hasMKLDNN();
+  EXPECT_EQ(s.onednn, onednn);
+  const bool bf16_fast =
+      onednn && (s.avx512_core || has("avx512_bf16") || has("amx_bf16") || has("avx_ne_convert"));
+  EXPECT_EQ(apex::amp::cpu_half_matmul_is_fast(at::kBFloat16), bf16_fast);
 
   struct Capture : c10::WarningHandler {
     std::vector<std::string> messages;
@@ -369,5 +372,5 @@ TEST(AmpCpu, HalfMatmulSpeedProbe) {
   for (const auto& m : capture.messages) {
     warned = warned || m.find("O2 computes matmuls in BFloat16") != std::string::npos;
   }
-  EXPECT_EQ(warned, speed < apex::amp::kSlowHalfMatmulSpeed) << speed;
+  EXPECT_EQ(warned, !bf16_fast);
 }

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <iomanip>
 #include <set>
 #include <sstream>
 
@@ -93,12 +92,19 @@ output
   --resume              continue from the checkpoint in --checkpoint DIR (bit-identically)
   --stop-after N        stop after step N as if interrupted (checkpoint first): tests resume
   --no-progress         no progress bar or lines
+distributed (Gloo over TCP; docs/distributed.md)
+  --ddp                 train data-parallel in the group that torchrun's environment describes
+                        (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): each rank its shard of every
+                        batch (--batch-size is per rank), gradients averaged by DDP
+  --nproc N             start N local ranks itself (on 127.0.0.1) and train with --ddp
+  --sync-bn             resnet: BatchNorm statistics over every rank's batch (SyncBatchNorm)
   --help
 )";
 }
 
 Cli parse_cli(const std::vector<std::string>& args) {
   Cli cli;
+  cli.args = args;
   TrainOptions& o = cli.train;
   bool level_set = false;
   bool half_set = false;
@@ -110,9 +116,13 @@ Cli parse_cli(const std::vector<std::string>& args) {
       cli.help = true;
       continue;
     }
-    if (flag == "--resume" || flag == "--no-progress") {
+    if (flag == "--resume" || flag == "--no-progress" || flag == "--ddp" || flag == "--sync-bn") {
       if (flag == "--resume") {
         o.resume = true;
+      } else if (flag == "--ddp") {
+        o.ddp = true;
+      } else if (flag == "--sync-bn") {
+        o.sync_bn = true;
       } else {
         o.progress = false;
       }
@@ -213,6 +223,10 @@ Cli parse_cli(const std::vector<std::string>& args) {
       o.stop_after = to_int(flag, v, 1);
     } else if (flag == "--summary-out") {
       cli.summary_out = v;
+    } else if (flag == "--nproc") {
+      cli.nproc = to_int(flag, v, 1);
+      TORCH_CHECK(cli.nproc <= 64, "apex-train: --nproc expects an integer in [1, 64], got '", v,
+                  "'");
     } else {
       TORCH_CHECK(false, "apex-train: unknown option '", flag, "' (see --help)");
     }
@@ -224,23 +238,28 @@ Cli parse_cli(const std::vector<std::string>& args) {
     cli.compare = {"O0", "O1", "O2"};
     // On a CPU where LibTorch multiplies the half dtype in a scalar loop, O1 and O2 would take an
     // hour where O0 takes minutes: the default then runs O0 alone and says why.
-    // (Not measured for --help, which trains nothing.)
+    // (Decided from cpuid, never from a timing: a busy machine once made a timing misjudge.)
     if (o.device.is_cpu() && !cli.help) {
-      const double speed = apex::amp::cpu_half_matmul_speed(o.half_dtype);
-      if (speed < apex::amp::kSlowHalfMatmulSpeed) {
+      if (!apex::amp::cpu_half_matmul_is_fast(o.half_dtype)) {
         cli.compare = {"O0"};
         std::ostringstream note;
         note << "apex-train: O1 and O2 left out of the default comparison: LibTorch multiplies "
-             << (o.half_dtype == c10::kBFloat16 ? "bf16" : "fp16") << " matrices at "
-             << std::setprecision(2) << speed
-             << "x its fp32 speed on this CPU (it has fast ones only with AVX-512, AVX512-BF16 "
-                "or AMX), so they would train tens of times slower than O0; --compare O0,O1,O2 "
-                "runs them anyway";
+             << (o.half_dtype == c10::kBFloat16 ? "bf16" : "fp16")
+             << " matrices in a scalar loop on this CPU (it has fast ones only with AVX-512, "
+                "AVX512-BF16, AVX512-FP16 or AMX), so they would train tens of times slower than "
+                "O0; --compare O0,O1,O2 runs them anyway";
         cli.note = note.str();
       }
     }
   }
   TORCH_CHECK(!o.resume || !o.checkpoint.empty(), "apex-train: --resume needs --checkpoint DIR");
+  TORCH_CHECK(!o.sync_bn || o.ddp || cli.nproc > 0,
+              "apex-train: --sync-bn needs --ddp (under torchrun) or --nproc N");
+  TORCH_CHECK(!(o.ddp && cli.nproc > 0),
+              "apex-train: give either --ddp (under torchrun) or "
+              "--nproc N (apex-train starts the ranks itself), not both");
+  TORCH_CHECK(!o.ddp || o.device.is_cpu(),
+              "apex-train: --ddp runs on the CPU (Gloo) only in this build; NCCL is not there yet");
   TORCH_CHECK(o.steps == 0 || o.epochs == 0, "apex-train: give either --steps or --epochs");
   if (o.steps == 0 && o.epochs == 0) {
     // About a minute per level on 2 CPU cores.

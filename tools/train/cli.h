@@ -15,6 +15,10 @@ struct Cli {
   std::string plot;                  ///< SVG path
   std::string summary_out;           ///< (internal) where a --compare child writes its summary
   bool help = false;
+  /// --nproc: ranks to start on this machine (0: none; train in this process).
+  int64_t nproc = 0;
+  /// The arguments as given (for --nproc's ranks).
+  std::vector<std::string> args;
   /// Said before training when the built-in default was narrowed (see parse_cli); else empty.
   std::string note;
   /// The arguments every --compare child gets (all but --compare/--opt-level/--plot/--metrics/

@@ -1,8 +1,16 @@
 // apex-train: trains a model with apex-cpp's mixed precision, at one opt level or several side by
 // side (--compare), on built-in or real data. See `apex-train --help` and docs/train.md.
+#include <arpa/inet.h>
 #include <c10/util/Exception.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
 
 #include <csignal>
 #include <cstdio>
@@ -77,10 +85,113 @@ Summary run_child(const Cli& cli, const std::string& level, const fs::path& work
   return s;
 }
 
+// A TCP port on 127.0.0.1 that was free a moment ago, for --nproc's store.
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  TORCH_CHECK(fd >= 0, "apex-train: --nproc: cannot create a socket");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  ::close(fd);
+  TORCH_CHECK(ok, "apex-train: --nproc: no free port on 127.0.0.1");
+  return ntohs(a.sin_port);
+}
+
+// --nproc N: starts N ranks of this program on 127.0.0.1 (each with --ddp and the environment
+// torchrun would give it), waits for them, and stops the rest soon after one fails.
+int run_ranks(const Cli& cli) {
+  std::vector<std::string> args = {"/proc/self/exe"};
+  bool threads_given = false;
+  for (size_t i = 0; i < cli.args.size(); ++i) {
+    if (cli.args[i] == "--nproc") {
+      ++i;
+      continue;
+    }
+    threads_given = threads_given || cli.args[i] == "--threads";
+    args.push_back(cli.args[i]);
+  }
+  args.push_back("--ddp");
+  if (!threads_given) {
+    // The cores shared among the ranks (as torchrun's OMP_NUM_THREADS=1 default, at least one).
+    const long cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+    args.insert(args.end(), {"--threads", std::to_string(std::max(1L, cores / cli.nproc))});
+  }
+  const std::string port = std::to_string(free_port());
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::vector<pid_t> pids;
+  for (int64_t r = 0; r < cli.nproc; ++r) {
+    std::vector<std::string> env = {"RANK=" + std::to_string(r),
+                                    "LOCAL_RANK=" + std::to_string(r),
+                                    "WORLD_SIZE=" + std::to_string(cli.nproc),
+                                    "LOCAL_WORLD_SIZE=" + std::to_string(cli.nproc),
+                                    "MASTER_ADDR=127.0.0.1",
+                                    "MASTER_PORT=" + port};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const pid_t pid = fork();
+    TORCH_CHECK(pid >= 0, "apex-train: fork failed");
+    if (pid == 0) {
+      for (auto& e : env) putenv(e.data());
+      unsetenv("TORCHELASTIC_USE_AGENT_STORE");
+      if (r > 0) {  // only rank 0 talks to the terminal, as torchrun's --tee would not
+        const int null = ::open("/dev/null", O_WRONLY);
+        if (null >= 0) ::dup2(null, 1);
+      }
+      execv(argv[0], argv.data());
+      std::perror("apex-train: exec");
+      _exit(127);
+    }
+    pids.push_back(pid);
+  }
+  int failed_rank = -1, failed_status = 0;
+  size_t left = pids.size();
+  std::vector<bool> done(pids.size(), false);
+  auto deadline = std::chrono::steady_clock::time_point::max();
+  while (left > 0) {
+    int status = 0;
+    const pid_t pid = waitpid(-1, &status, WNOHANG);
+    if (pid > 0) {
+      for (size_t r = 0; r < pids.size(); ++r) {
+        if (pids[r] != pid) continue;
+        done[r] = true;
+        --left;
+        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        if (!ok && failed_rank < 0) {
+          failed_rank = static_cast<int>(r);
+          failed_status = status;
+          // The others fail on their own when a collective finds the rank gone; give them a
+          // moment to say so, then stop them.
+          deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+        }
+      }
+      continue;
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      for (size_t r = 0; r < pids.size(); ++r) {
+        if (!done[r]) kill(pids[r], SIGTERM);
+      }
+      deadline = std::chrono::steady_clock::time_point::max();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  TORCH_CHECK(failed_rank < 0, "apex-train: --nproc ", cli.nproc, ": rank ", failed_rank,
+              WIFSIGNALED(failed_status) ? " was killed by signal " : " failed with exit code ",
+              WIFSIGNALED(failed_status) ? WTERMSIG(failed_status) : WEXITSTATUS(failed_status),
+              " (see its message above)");
+  return 0;
+}
+
 int run(const Cli& cli) {
+  if (cli.compare.empty() && cli.nproc > 0) return run_ranks(cli);
   if (cli.compare.empty()) {
     const auto data = apex::train::load_data(cli.train);
     const Summary s = apex::train::train(cli.train, data);
+    if (s.rank != 0) return 0;  // rank 0 reports for the group
     if (!cli.summary_out.empty()) {
       apex::train::write_file_atomic(cli.summary_out, apex::train::to_json(s) + "\n");
       return 0;  // a --compare child: the parent prints
@@ -95,8 +206,10 @@ int run(const Cli& cli) {
     std::printf("apex-train: %s, %lld train / %lld held-out samples, %lld steps of %lld, half %s\n",
                 cli.train.model.family.c_str(), static_cast<long long>(data.train.size()),
                 static_cast<long long>(data.test.size()),
-                static_cast<long long>(apex::train::total_steps(cli.train, data.train.size())),
-                static_cast<long long>(cli.train.batch_size * cli.train.accumulate),
+                static_cast<long long>(apex::train::total_steps(cli.train, data.train.size(),
+                                                                std::max<int64_t>(1, cli.nproc))),
+                static_cast<long long>(cli.train.batch_size * cli.train.accumulate *
+                                       std::max<int64_t>(1, cli.nproc)),
                 cli.train.half_dtype == c10::kBFloat16 ? "bf16" : "fp16");
   }
   const fs::path work = fs::temp_directory_path() / ("apex-train-" + std::to_string(getpid()));

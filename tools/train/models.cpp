@@ -5,8 +5,10 @@
 #include <ATen/ops/relu.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <apex/normalization/fused_layer_norm.h>
+#include <apex/parallel/sync_batch_norm.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/embedding.h>
@@ -114,35 +116,45 @@ class Mlp : public Classifier {
   nn::Linear out_{nullptr};
 };
 
+// A BatchNorm2d, or with --sync-bn a SyncBatchNorm over every rank's batch (same parameter and
+// buffer names, so checkpoints of either load into the other).
+nn::AnyModule batch_norm(nn::Module& parent, const std::string& name, int64_t channels, bool sync) {
+  if (sync) {
+    return nn::AnyModule(parent.register_module(
+        name, apex::parallel::SyncBatchNorm(nn::BatchNormOptions(channels))));
+  }
+  return nn::AnyModule(parent.register_module(name, nn::BatchNorm2d(channels)));
+}
+
 class BasicBlockImpl : public nn::Module {
  public:
-  BasicBlockImpl(int64_t in, int64_t out, int64_t stride)
+  BasicBlockImpl(int64_t in, int64_t out, int64_t stride, bool sync)
       : conv1_(register_module(
             "conv1",
             nn::Conv2d(nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false)))),
-        bn1_(register_module("bn1", nn::BatchNorm2d(out))),
+        bn1_(batch_norm(*this, "bn1", out, sync)),
         conv2_(register_module("conv2",
                                nn::Conv2d(nn::Conv2dOptions(out, out, 3).padding(1).bias(false)))),
-        bn2_(register_module("bn2", nn::BatchNorm2d(out))) {
+        bn2_(batch_norm(*this, "bn2", out, sync)) {
     if (stride != 1 || in != out) {
       down_ = register_module("down",
                               nn::Conv2d(nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)));
-      down_bn_ = register_module("down_bn", nn::BatchNorm2d(out));
+      down_bn_ = batch_norm(*this, "down_bn", out, sync);
     }
   }
   at::Tensor forward(const at::Tensor& x) {
-    at::Tensor h = at::relu(bn1_->forward(conv1_->forward(x)));
-    h = bn2_->forward(conv2_->forward(h));
-    return at::relu(h + (down_ ? down_bn_->forward(down_->forward(x)) : x));
+    at::Tensor h = at::relu(bn1_.forward<at::Tensor>(conv1_->forward(x)));
+    h = bn2_.forward<at::Tensor>(conv2_->forward(h));
+    return at::relu(h + (down_ ? down_bn_.forward<at::Tensor>(down_->forward(x)) : x));
   }
 
  private:
   nn::Conv2d conv1_;
-  nn::BatchNorm2d bn1_;
+  nn::AnyModule bn1_;
   nn::Conv2d conv2_;
-  nn::BatchNorm2d bn2_;
+  nn::AnyModule bn2_;
   nn::Conv2d down_{nullptr};
-  nn::BatchNorm2d down_bn_{nullptr};
+  nn::AnyModule down_bn_;
 };
 TORCH_MODULE(BasicBlock);
 
@@ -152,27 +164,27 @@ class ResNet : public Classifier {
     const int64_t w = c.width;
     stem_ = register_module(
         "stem", nn::Conv2d(nn::Conv2dOptions(data.inputs.size(1), w, 3).padding(1).bias(false)));
-    stem_bn_ = register_module("stem_bn", nn::BatchNorm2d(w));
+    stem_bn_ = batch_norm(*this, "stem_bn", w, c.sync_bn);
     blocks_ = register_module("blocks", nn::ModuleList());
     int64_t in = w;
     for (int64_t stage = 0; stage < 3; ++stage) {
       const int64_t out = w << stage;
       for (int64_t b = 0; b < c.depth; ++b) {
-        blocks_->push_back(BasicBlock(in, out, stage > 0 && b == 0 ? 2 : 1));
+        blocks_->push_back(BasicBlock(in, out, stage > 0 && b == 0 ? 2 : 1, c.sync_bn));
         in = out;
       }
     }
     fc_ = register_module("classifier", nn::Linear(in, data.num_classes));
   }
   at::Tensor forward(const at::Tensor& inputs) override {
-    at::Tensor x = at::relu(stem_bn_->forward(stem_->forward(inputs)));
+    at::Tensor x = at::relu(stem_bn_.forward<at::Tensor>(stem_->forward(inputs)));
     for (const auto& b : *blocks_) x = b->as<BasicBlock>()->forward(x);
     return fc_->forward(x.mean({2, 3}));
   }
 
  private:
   nn::Conv2d stem_{nullptr};
-  nn::BatchNorm2d stem_bn_{nullptr};
+  nn::AnyModule stem_bn_;
   nn::ModuleList blocks_{nullptr};
   nn::Linear fc_{nullptr};
 };

@@ -24,9 +24,10 @@ struct Dataset;
 /// Sizes of a model; 0 means the family's default.
 struct ModelConfig {
   std::string family = "transformer";
-  int64_t width = 0;  ///< mlp hidden units, resnet base channels, transformer/wav2vec2 model dim
-  int64_t depth = 0;  ///< mlp hidden layers, resnet blocks per stage, encoder layers
-  int64_t heads = 0;  ///< attention heads
+  int64_t width = 0;     ///< mlp hidden units, resnet base channels, transformer/wav2vec2 model dim
+  int64_t depth = 0;     ///< mlp hidden layers, resnet blocks per stage, encoder layers
+  int64_t heads = 0;     ///< attention heads
+  bool sync_bn = false;  ///< resnet: apex::parallel::SyncBatchNorm (needs a process group)
 };
 
 /// The model families and their defaults, for --help and errors.

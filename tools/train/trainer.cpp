@@ -5,6 +5,8 @@
 #include <ATen/ops/randperm.h>
 #include <apex/amp/initialize.h>
 #include <apex/optim.h>
+#include <apex/parallel/distributed.h>
+#include <apex/parallel/process_group.h>
 #include <c10/util/Exception.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -249,9 +251,9 @@ Eval evaluate(std::shared_ptr<Classifier>& model, apex::amp::Amp* amp, const Dat
 
 }  // namespace
 
-int64_t total_steps(const TrainOptions& o, int64_t train_size) {
+int64_t total_steps(const TrainOptions& o, int64_t train_size, int64_t world) {
   if (o.steps > 0) return o.steps;
-  const int64_t per_step = o.batch_size * o.accumulate;
+  const int64_t per_step = o.batch_size * o.accumulate * world;
   return std::max<int64_t>(1, std::max<int64_t>(o.epochs, 1) * train_size / per_step);
 }
 
@@ -296,10 +298,20 @@ Summary train(const TrainOptions& o, const Split& data) {
               "apex-train: the data has an empty train or test split");
   if (o.threads > 0) at::set_num_threads(o.threads);
   const bool plain = o.opt_level == "fp32";
-  const int64_t per_step = o.batch_size * o.accumulate;
-  int64_t total = total_steps(o, data.train.size());
+  // Data-parallel: every rank trains on its shard of each global batch of batch_size * world.
+  std::optional<apex::parallel::ProcessGroup> pg;
+  if (o.ddp) {
+    pg = apex::parallel::init_process_group(
+        apex::parallel::ProcessGroupOptions().timeout(std::chrono::minutes(5)));
+  }
+  const int64_t rank = pg ? pg->rank() : 0;
+  const int64_t world = pg ? pg->size() : 1;
+  const int64_t per_step = o.batch_size * o.accumulate * world;
+  int64_t total = total_steps(o, data.train.size(), world);
 
-  std::shared_ptr<Classifier> model = make_model(o.model, data.train, o.seed);
+  ModelConfig mc = o.model;
+  mc.sync_bn = o.sync_bn;
+  std::shared_ptr<Classifier> model = make_model(mc, data.train, o.seed);
   model->to(o.device);
   std::unique_ptr<torch::optim::Optimizer> optimizer = make_optimizer(o, model->parameters());
   std::optional<apex::amp::Amp> amp;
@@ -312,6 +324,14 @@ Summary train(const TrainOptions& o, const Split& data) {
   apex::amp::Amp* ampp = amp ? &*amp : nullptr;
   int64_t start = 0;
   if (o.resume) start = load_checkpoint(o, *model, *optimizer, ampp);
+  // After initialize (DDP reduces the gradients of the parameters as amp cast them).
+  using Ddp = apex::parallel::DistributedDataParallel<std::shared_ptr<Classifier>>;
+  std::optional<Ddp> ddp;
+  if (pg) ddp.emplace(model, apex::parallel::DistributedDataParallelOptions(), *pg);
+  const auto forward = [&](const at::Tensor& x) {
+    if (ddp) return ampp ? ampp->forward(*ddp, x) : (*ddp)->forward(x);
+    return ampp ? ampp->forward(model, x) : model->forward(x);
+  };
   TORCH_CHECK(start < total, "apex-train: --resume: the checkpoint is at step ", start,
               " and this run has ", total, " steps: nothing left to train (raise --steps)");
 
@@ -320,7 +340,7 @@ Summary train(const TrainOptions& o, const Split& data) {
   s.model = describe(o.model, *model);
   Sampler sampler(data.train.size(), o.seed);
   std::FILE* metrics = nullptr;
-  if (!o.metrics.empty()) {
+  if (!o.metrics.empty() && rank == 0) {
     // A resumed run keeps the records up to its checkpoint and drops the rest (steps logged after
     // the checkpoint, and the interrupted run's summary), so the file reads as one run.
     const std::string kept = o.resume ? metrics_up_to(o.metrics, start) : std::string();
@@ -328,7 +348,7 @@ Summary train(const TrainOptions& o, const Split& data) {
     TORCH_CHECK(metrics != nullptr, "apex-train: cannot write --metrics ", o.metrics);
     std::fputs(kept.c_str(), metrics);
   }
-  Progress progress(o.opt_level, start, total, o.progress);
+  Progress progress(o.opt_level, start, total, o.progress && rank == 0);
   const auto t0 = Clock::now();
   double train_seconds = 0;
   // The window's loss stays on the device until it is logged: no host sync per micro-batch.
@@ -349,11 +369,16 @@ Summary train(const TrainOptions& o, const Split& data) {
         optimizer->zero_grad();
       }
       for (int64_t micro = 0; micro < o.accumulate; ++micro) {
-        const at::Tensor idx =
-            sampler.indices((step * o.accumulate + micro) * o.batch_size, o.batch_size);
+        // This rank's slice of the micro-batch's global sample positions.
+        const at::Tensor idx = sampler.indices(
+            (step * o.accumulate + micro) * o.batch_size * world + rank * o.batch_size,
+            o.batch_size);
         const at::Tensor x = data.train.inputs.index_select(0, idx).to(o.device);
         const at::Tensor y = data.train.labels.index_select(0, idx).to(o.device);
-        const at::Tensor logits = ampp ? ampp->forward(model, x) : model->forward(x);
+        // Micro-batches before the last only accumulate: DDP reduces once per step.
+        std::optional<apex::parallel::NoSyncGuard> no_sync;
+        if (ddp && micro + 1 < o.accumulate) no_sync.emplace(*ddp);
+        const at::Tensor logits = forward(x);
         at::Tensor loss = at::cross_entropy_loss(logits.to(at::kFloat), y);
         window_loss += loss.detach() / static_cast<double>(o.accumulate);
         if (o.accumulate > 1) loss = loss / static_cast<double>(o.accumulate);
@@ -391,6 +416,11 @@ Summary train(const TrainOptions& o, const Split& data) {
       if ((step + 1) % o.log_every == 0 || last) {
         StepRecord r;
         r.step = step + 1;
+        if (pg) {
+          at::Tensor all = window_loss.to(at::kDouble);
+          pg->all_reduce_(all);  // the mean over ranks: the loss of the global batch
+          window_loss.copy_(all / static_cast<double>(world));
+        }
         r.loss = window_loss.item<double>() / static_cast<double>(window_steps);
         r.loss_scale = ampp ? ampp->loss_scale() : 1.0;
         r.lr = lr;
@@ -403,7 +433,7 @@ Summary train(const TrainOptions& o, const Split& data) {
                     " by step ", r.step, " at ", o.opt_level,
                     " (no dynamic loss scaling): training diverged; lower --lr (", o.lr, ")");
         s.curve.push_back(r);
-        progress.update(r);
+        if (rank == 0) progress.update(r);
         if (metrics != nullptr) {
           std::fprintf(metrics, "%s\n", json::step_record(o.opt_level, r).c_str());
           std::fflush(metrics);
@@ -419,7 +449,9 @@ Summary train(const TrainOptions& o, const Split& data) {
                     "apex-train: the loss became non-finite before step ", step + 1, " at ",
                     o.opt_level, ": training diverged (no checkpoint written); lower --lr (", o.lr,
                     ")");
-        save_checkpoint(o, step + 1, *model, *optimizer, ampp);
+        // Rank 0 writes (every rank holds the same state); the others wait for it.
+        if (rank == 0) save_checkpoint(o, step + 1, *model, *optimizer, ampp);
+        if (pg) pg->barrier();
       }
       if (interrupted) {
         total = step + 1;
@@ -432,7 +464,10 @@ Summary train(const TrainOptions& o, const Split& data) {
     throw;
   }
   progress.finish();
-  const Eval e = evaluate(model, ampp, data.test, o.device, 256);
+  // Rank 0 evaluates (every rank holds the same weights); the summary is its.
+  const Eval e = rank == 0 ? evaluate(model, ampp, data.test, o.device, 256) : Eval{};
+  s.rank = rank;
+  s.world_size = world;
   s.steps = total - start;
   s.samples = s.steps * per_step;
   s.train_seconds = train_seconds;
@@ -460,7 +495,8 @@ std::string to_json(const Summary& s) {
       << ", \"test_accuracy\": " << json::num(s.test_accuracy)
       << ", \"skipped_steps\": " << s.skipped_steps
       << ", \"loss_scale\": " << json::num(s.loss_scale)
-      << ", \"peak_rss_mb\": " << json::num(s.peak_rss_mb) << "}";
+      << ", \"peak_rss_mb\": " << json::num(s.peak_rss_mb) << ", \"world_size\": " << s.world_size
+      << "}";
   return out.str();
 }
 
@@ -478,6 +514,7 @@ Summary summary_from_json(const std::string& line) {
   s.skipped_steps = static_cast<int64_t>(json::get_number(line, "skipped_steps"));
   s.loss_scale = json::get_number(line, "loss_scale");
   s.peak_rss_mb = json::get_number(line, "peak_rss_mb");
+  s.world_size = static_cast<int64_t>(json::get_number(line, "world_size"));
   return s;
 }
 

@@ -50,6 +50,8 @@ struct TrainOptions {
   bool resume = false;
   int64_t stop_after = 0;  ///< stop (with a checkpoint) after this step, as if interrupted (tests)
   bool progress = true;    ///< progress bar on a terminal, lines otherwise
+  bool ddp = false;        ///< data-parallel in the environment's process group (torchrun's)
+  bool sync_bn = false;    ///< resnet: SyncBatchNorm instead of BatchNorm (needs ddp)
 };
 
 /// One logged step.
@@ -75,11 +77,14 @@ struct Summary {
   int64_t skipped_steps = 0;
   double loss_scale = 1;
   double peak_rss_mb = 0;  ///< the process's high-water mark (VmHWM)
+  int64_t rank = 0;        ///< this process's rank (only rank 0's summary is complete)
+  int64_t world_size = 1;  ///< ranks that trained (samples and samples/s are summed over them)
   std::vector<StepRecord> curve;
 };
 
-/// Optimizer steps of a run over a train split of `train_size` samples (--steps, or --epochs).
-int64_t total_steps(const TrainOptions& options, int64_t train_size);
+/// Optimizer steps of a run over a train split of `train_size` samples (--steps, or --epochs),
+/// `world` ranks each taking their batch per step.
+int64_t total_steps(const TrainOptions& options, int64_t train_size, int64_t world = 1);
 
 /// Loads (or generates) the data the options name; errors are one-line c10::Errors.
 Split load_data(const TrainOptions& options);

@@ -1,0 +1,23 @@
+// Backend factories, each in its own translation unit (its c10d header needs a define and
+// headers of its own). Everything else sees only c10d::Backend.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <string>
+
+namespace apex::parallel::detail {
+
+/// Whether this build has the Gloo backend (found the gloo headers at configure time).
+bool have_gloo();
+
+/// A Gloo backend for `store`, its sockets on `hostname`'s address ($GLOO_SOCKET_IFNAME's if set;
+/// this host's default address if `hostname` is empty).
+c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    int rank, int size,
+                                                    std::chrono::milliseconds timeout,
+                                                    const std::string& hostname);
+
+}  // namespace apex::parallel::detail

@@ -1,0 +1,541 @@
+// DistributedDataParallel, process groups and their faults: real processes (copies of this
+// binary) on Gloo over 127.0.0.1. Every equivalence test compares against one process training
+// on the whole batch.
+#include <apex/amp/initialize.h>
+#include <apex/parallel.h>
+#include <torch/nn.h>
+#include <torch/optim/sgd.h>
+
+#include <chrono>
+#include <iostream>
+#include <map>
+#include <sstream>
+
+#include "common/test_util.h"
+#include "launcher.h"
+#include "train/data.h"
+#include "train/models.h"
+
+namespace ap = apex::parallel;
+using apex::test::all_close;
+using apex::test::launch;
+using apex::test::LaunchOptions;
+using apex::test::RegisterWorker;
+using apex::test::tolerance_for;
+
+namespace {
+
+std::map<std::string, std::string> parse_args(const std::string& arg) {
+  std::map<std::string, std::string> m;
+  std::istringstream in(arg);
+  for (std::string kv; std::getline(in, kv, ',');) {
+    const auto eq = kv.find('=');
+    if (eq != std::string::npos) m[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return m;
+}
+
+std::string get(const std::map<std::string, std::string>& m, const std::string& k,
+                const std::string& d) {
+  const auto it = m.find(k);
+  return it == m.end() ? d : it->second;
+}
+
+at::Tensor randn_seeded(at::IntArrayRef sizes, uint64_t seed) {
+  auto gen = at::detail::createCPUGenerator(seed);
+  return at::randn(sizes, gen);
+}
+
+// The models: an MLP, a CNN with BatchNorm (SyncBatchNorm under DDP) and apex-train's
+// transformer. Each returns logits for `x`.
+struct Model {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+};
+
+torch::nn::Sequential mlp() {
+  return torch::nn::Sequential(torch::nn::Linear(12, 16), torch::nn::ReLU(),
+                               torch::nn::Linear(16, 16), torch::nn::Tanh(),
+                               torch::nn::Linear(16, 4));
+}
+
+torch::nn::Sequential cnn() {
+  return torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3).padding(1)),
+                               torch::nn::BatchNorm2d(4), torch::nn::ReLU(), torch::nn::Flatten(),
+                               torch::nn::Linear(4 * 6 * 6, 4));
+}
+
+at::Tensor inputs_for(const std::string& model, int64_t n, uint64_t seed) {
+  if (model == "cnn") return randn_seeded({n, 2, 6, 6}, seed);
+  if (model == "transformer") {
+    auto gen = at::detail::createCPUGenerator(seed);
+    return at::randint(0, 16, {n, 8}, gen);
+  }
+  return randn_seeded({n, 12}, seed);
+}
+
+std::shared_ptr<apex::train::Classifier> transformer(uint64_t seed) {
+  apex::train::ModelConfig c;
+  c.family = "transformer";
+  c.width = 16;
+  c.depth = 2;
+  c.heads = 2;
+  const auto data = apex::train::synthetic_tokens(8, 2, 8, 16, 5);
+  return apex::train::make_model(c, data.train, seed);
+}
+
+void copy_params(torch::nn::Module& dst, const torch::nn::Module& src) {
+  const torch::NoGradGuard no_grad;
+  auto d = dst.parameters();
+  auto s = src.parameters();
+  for (size_t i = 0; i < d.size(); ++i) d[i].copy_(s[i]);
+}
+
+int compare_params(const torch::nn::Module& got, const torch::nn::Module& want,
+                   apex::test::Tolerance tol, const std::string& what) {
+  int bad = 0;
+  const auto g = got.named_parameters();
+  const auto w = want.named_parameters();
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (!g[i].value().defined() || !w[i].value().defined()) continue;
+    const auto r = all_close(g[i].value(), w[i].value(), tol);
+    if (!r) {
+      std::cout << what << ": parameter " << g[i].key() << ": " << r.message() << "\n";
+      ++bad;
+    }
+  }
+  return bad;
+}
+
+ap::ProcessGroup join(std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  return ap::init_process_group(ap::ProcessGroupOptions().timeout(timeout));
+}
+
+// Trains a DDP copy on this rank's shard and the reference on the whole batch, then compares.
+int ddp_equivalence(int rank, int world, const std::string& arg) {
+  const auto args = parse_args(arg);
+  const std::string model = get(args, "model", "mlp");
+  const std::string mode = get(args, "mode", "plain");
+  const std::string buckets = get(args, "buckets", "many");
+  const int steps = std::stoi(get(args, "steps", "4"));
+  const int64_t b = 3;  // per-rank batch
+  auto pg = join();
+
+  // The reference trains on every sample; the DDP copy starts from other weights on every rank
+  // but 0 (seed 100 + rank): DDP's broadcast must make them rank 0's, which are the reference's.
+  std::shared_ptr<torch::nn::Module> ref_m, local_m;
+  std::function<at::Tensor(const at::Tensor&)> ref_fwd;
+  torch::nn::Linear branch{nullptr}, never{nullptr};
+  if (model == "transformer") {
+    auto r = transformer(1);
+    auto l = transformer(100 + rank);
+    if (rank == 0) copy_params(*l, *r);
+    ref_m = r;
+    local_m = l;
+    ref_fwd = [r](const at::Tensor& x) { return r->forward(x); };
+  } else {
+    torch::manual_seed(1);
+    auto r = model == "cnn" ? cnn() : mlp();
+    torch::manual_seed(100 + rank);
+    auto l = model == "cnn" ? cnn() : mlp();
+    if (rank == 0) copy_params(*l, *r);
+    if (model == "cnn") l = ap::convert_sync_batchnorm(l, pg);
+    ref_m = r.ptr();
+    local_m = l.ptr();
+    ref_fwd = [p = r.ptr()](const at::Tensor& x) { return p->forward(x); };
+  }
+  // find_unused: a branch used only on rank 1's samples, and a layer no rank uses.
+  torch::nn::Sequential local_extra, ref_extra;
+  if (mode == "unused") {
+    torch::manual_seed(7);
+    ref_extra = torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
+    torch::manual_seed(7);
+    local_extra = torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
+  }
+  struct Wrapped : torch::nn::Module {
+    std::shared_ptr<torch::nn::Module> body;
+    std::function<at::Tensor(const at::Tensor&)> fwd;
+    torch::nn::Sequential extra{nullptr};
+    int use_branch = 0;
+    Wrapped(std::shared_ptr<torch::nn::Module> m, std::function<at::Tensor(const at::Tensor&)> f,
+            torch::nn::Sequential e)
+        : body(register_module("body", std::move(m))), fwd(std::move(f)) {
+      if (e) extra = register_module("extra", e);
+    }
+    at::Tensor forward(const at::Tensor& x) {
+      at::Tensor y = fwd(x);
+      if (use_branch != 0) y = y + extra[0]->as<torch::nn::Linear>()->forward(y);
+      return y;
+    }
+  };
+  auto seq_fwd = [](const std::shared_ptr<torch::nn::Module>& m) {
+    if (auto s = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(m)) {
+      return std::function<at::Tensor(const at::Tensor&)>(
+          [s](const at::Tensor& x) { return s->forward(x); });
+    }
+    auto c = std::dynamic_pointer_cast<apex::train::Classifier>(m);
+    return std::function<at::Tensor(const at::Tensor&)>(
+        [c](const at::Tensor& x) { return c->forward(x); });
+  };
+  auto local = std::make_shared<Wrapped>(local_m, seq_fwd(local_m), local_extra);
+  auto ref = std::make_shared<Wrapped>(ref_m, ref_fwd, ref_extra);
+
+  ap::DistributedDataParallelOptions o;
+  if (buckets == "many") o.bucket_cap_mb(0.0005).first_bucket_mb(0.0002);
+  if (buckets == "one") o.bucket_cap_mb(1000).first_bucket_mb(1000);
+  if (mode == "unused") o.find_unused_parameters(true);
+  if (mode == "static") o.static_graph(true);
+  if (mode == "view") o.gradient_as_bucket_view(true);
+  if (mode == "delay") o.delay_allreduce(true);
+  if (mode == "fp16") o.comm_hook(ap::CommHook::kFp16Compress);
+  if (mode == "bf16") o.comm_hook(ap::CommHook::kBf16Compress);
+  if (mode == "fp32") o.comm_hook(ap::CommHook::kAllReduceFp32);
+  if (mode == "predivide") o.gradient_predivide_factor(2.0);
+  if (mode == "sum") o.gradient_average(false);
+  ap::DistributedDataParallel<std::shared_ptr<Wrapped>> ddp(local, o, pg);
+
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  const int micro = mode == "no_sync" ? 2 : 1;
+  const double loss_mul = mode == "sum" ? world : 1.0;
+  for (int step = 0; step < steps; ++step) {
+    ref_opt.zero_grad();
+    if (mode == "view") {
+      // LibTorch's Optimizer::zero_grad detaches in place, which a view into a bucket refuses;
+      // Module::zero_grad does not (and keeps the view with set_to_none = false).
+      ddp->zero_grad(/*set_to_none=*/false);
+    } else {
+      opt.zero_grad();
+    }
+    for (int m = 0; m < micro; ++m) {
+      const uint64_t seed = 1000 + step * 10 + m;
+      const at::Tensor x = inputs_for(model, world * b, seed);
+      // Reference: the whole batch (the branch on rank 1's slice only).
+      at::Tensor y_ref;
+      if (mode == "unused") {
+        std::vector<at::Tensor> parts;
+        for (int r = 0; r < world; ++r) {
+          ref->use_branch = r == 1 ? 1 : 0;
+          parts.push_back(ref->forward(x.slice(0, r * b, (r + 1) * b)));
+        }
+        y_ref = at::cat(parts);
+      } else {
+        y_ref = ref->forward(x);
+      }
+      const at::Tensor target = randn_seeded(y_ref.sizes(), seed + 5);
+      (at::mse_loss(y_ref, target) * loss_mul).backward();
+      // DDP: this rank's shard.
+      local->use_branch = mode == "unused" && rank == 1 ? 1 : 0;
+      const at::Tensor xs = x.slice(0, rank * b, (rank + 1) * b);
+      const at::Tensor ts = target.slice(0, rank * b, (rank + 1) * b);
+      if (m + 1 < micro) {
+        ap::NoSyncGuard no_sync(ddp);
+        at::mse_loss(ddp->forward(xs), ts).backward();
+      } else {
+        at::mse_loss(ddp->forward(xs), ts).backward();
+      }
+    }
+    if (mode == "unused" && step == 0) {
+      // The layer nobody used keeps no gradient; the branch has the average of rank 1's.
+      const auto& never_w = local_extra[1]->as<torch::nn::Linear>()->weight;
+      if (never_w.grad().defined()) {
+        std::cout << "a parameter unused on every rank got a gradient\n";
+        return 1;
+      }
+    }
+    ref_opt.step();
+    opt.step();
+  }
+  const auto tol = mode == "bf16"   ? tolerance_for(at::kBFloat16)
+                   : mode == "fp16" ? tolerance_for(at::kHalf)
+                                    : apex::test::Tolerance{2e-5, 2e-6};
+  int bad = compare_params(*local, *ref, tol, "rank " + std::to_string(rank));
+  if (model == "cnn") {
+    const auto lb = local->buffers();
+    const auto rb = ref->buffers();
+    for (size_t i = 0; i < lb.size(); ++i) {
+      if (lb[i].is_floating_point() && !all_close(lb[i], rb[i], tol)) {
+        std::cout << "buffer " << i << " differs from the whole-batch BatchNorm's\n";
+        ++bad;
+      }
+    }
+  }
+  if (buckets == "many" && ddp->engine().bucket_indices().size() < 2) {
+    std::cout << "expected several buckets, got " << ddp->engine().bucket_indices().size() << "\n";
+    ++bad;
+  }
+  if (buckets == "one" && ddp->engine().bucket_indices().size() != 1) {
+    std::cout << "expected one bucket, got " << ddp->engine().bucket_indices().size() << "\n";
+    ++bad;
+  }
+  std::cout << "rank " << rank << ": " << (bad == 0 ? "ok" : "MISMATCH") << "\n";
+  return bad == 0 ? 0 : 1;
+}
+const RegisterWorker r_eq("ddp_equivalence", ddp_equivalence);
+
+// amp + DDP: an inf on one rank's input makes every rank skip that step, with equal scales, and
+// the O2 masters stay equal on every rank.
+int amp_skip(int rank, int world, const std::string& arg) {
+  auto pg = join();
+  const auto level = apex::amp::parse_opt_level(arg.empty() ? "O2" : arg);
+  // The same initial weights on every rank: initialize copies the O2 masters from the weights it
+  // sees, before DDP's broadcast (docs/distributed.md).
+  torch::manual_seed(3);
+  auto net = mlp();
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05));
+  auto amp =
+      apex::amp::initialize(net, opt, apex::amp::Options(level).half_dtype(at::kHalf).verbosity(0));
+  ap::DistributedDataParallel<torch::nn::Sequential> ddp(net, ap::DistributedDataParallelOptions(),
+                                                         pg);
+  const int steps = 5, bad_step = 2;
+  for (int step = 0; step < steps; ++step) {
+    amp.zero_grad();
+    at::Tensor x = randn_seeded({4, 12}, 50 + step * 2 + rank);
+    if (step == bad_step && rank == world - 1) x[0][0] = std::numeric_limits<float>::infinity();
+    const at::Tensor t = randn_seeded({4, 4}, 51 + step * 2 + rank);
+    const at::Tensor loss = at::mse_loss(amp.forward(ddp, x).to(at::kFloat), t);
+    amp.scale_loss(loss).backward();
+    amp.step();
+  }
+  int bad = 0;
+  // The inf step at least (fp16 may overflow at the first scale too): the same on every rank.
+  if (amp.skipped_steps() < 1) {
+    std::cout << "rank " << rank << " skipped no step\n";
+    ++bad;
+  }
+  at::Tensor mine =
+      at::tensor({amp.loss_scale(), static_cast<double>(amp.skipped_steps())}, at::kDouble);
+  for (const auto& s : pg.all_gather(mine)) {
+    if (!s.equal(mine)) {
+      std::cout << "loss scale / skipped steps differ across ranks: " << s << " vs " << mine
+                << "\n";
+      ++bad;
+    }
+  }
+  for (const auto& p : amp.master_params()) {
+    const auto all = pg.all_gather(p.detach());
+    for (const auto& q : all) {
+      if (!q.equal(p.detach())) {
+        std::cout << "master parameters differ across ranks\n";
+        ++bad;
+        break;
+      }
+    }
+  }
+  std::cout << "rank " << rank << ": " << (bad == 0 ? "ok" : "MISMATCH") << "\n";
+  return bad == 0 ? 0 : 1;
+}
+const RegisterWorker r_amp("amp_skip", amp_skip);
+
+// Faults: each worker expects an error (with text) within the timeout, and prints it.
+int expect_error(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    // c10::Error from our checks; Gloo's own exceptions from a collective that backward ran.
+    const auto* c = dynamic_cast<const c10::Error*>(&e);
+    const std::string m = c != nullptr ? c->what_without_backtrace() : e.what();
+    std::cout << "ERROR: " << m.substr(0, 600) << "\n";
+    if (m.find(needle) == std::string::npos) {
+      std::cout << "expected the message to contain: " << needle << "\n";
+      return 2;
+    }
+    return 0;
+  }
+  std::cout << "no error raised\n";
+  return 1;
+}
+
+int fault(int rank, int world, const std::string& arg) {
+  const auto quick = ap::ProcessGroupOptions().timeout(std::chrono::seconds(4));
+  if (arg == "no_store") {
+    // Rank 1 of 2 with nobody serving the store.
+    return expect_error([&] { ap::init_process_group(quick); }, "could not reach the store");
+  }
+  if (arg == "never_fills") {
+    // Rank 0 of 2 alone.
+    return expect_error([&] { ap::init_process_group(quick); }, "could not gather every rank");
+  }
+  auto pg = ap::init_process_group(quick);
+  if (arg == "diff_models") {
+    torch::manual_seed(1);
+    auto net = rank == 0 ? mlp()
+                         : torch::nn::Sequential(torch::nn::Linear(12, 17), torch::nn::ReLU(),
+                                                 torch::nn::Linear(17, 4));
+    return expect_error(
+        [&] {
+          ap::DistributedDataParallel<torch::nn::Sequential> ddp(
+              net, ap::DistributedDataParallelOptions(), pg);
+        },
+        "the ranks hold different models");
+  }
+  torch::manual_seed(1);
+  auto net = mlp();
+  ap::DistributedDataParallel<torch::nn::Sequential> ddp(net, ap::DistributedDataParallelOptions(),
+                                                         pg);
+  torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.05));
+  return expect_error(
+      [&] {
+        for (int step = 0; step < 50; ++step) {
+          if (arg == "dead_rank" && rank == 1 && step == 2) std::_Exit(3);
+          opt.zero_grad();
+          const at::Tensor out = ddp->forward(randn_seeded({4, 12}, step));
+          // skip_backward: rank 1 runs a forward but no backward in step 2.
+          if (arg == "skip_backward" && rank == 1 && step == 2) continue;
+          out.square().mean().backward();
+          opt.step();
+        }
+        pg.barrier();
+      },
+      "");
+}
+const RegisterWorker r_fault("fault", fault);
+
+::testing::AssertionResult all_ranks_passed(const std::vector<apex::test::RankResult>& r) {
+  for (const auto& x : r) {
+    if (x.exit_code != 0) return ::testing::AssertionFailure() << apex::test::describe(r);
+  }
+  return ::testing::AssertionSuccess();
+}
+
+void equivalence(int world, const std::string& arg) {
+  LaunchOptions o;
+  o.world = world;
+  o.arg = arg;
+  const auto r = launch("ddp_equivalence", o);
+  EXPECT_TRUE(all_ranks_passed(r)) << arg;
+}
+
+}  // namespace
+
+TEST(Ddp, MlpEqualsWholeBatchTwoRanksManyBuckets) { equivalence(2, "model=mlp,buckets=many"); }
+TEST(Ddp, MlpEqualsWholeBatchThreeRanksOneBucket) { equivalence(3, "model=mlp,buckets=one"); }
+TEST(Ddp, CnnWithSyncBatchNormEqualsWholeBatch) { equivalence(2, "model=cnn,buckets=many"); }
+TEST(Ddp, CnnThreeRanks) { equivalence(3, "model=cnn,buckets=one"); }
+TEST(Ddp, TransformerEqualsWholeBatch) { equivalence(2, "model=transformer,buckets=many"); }
+TEST(Ddp, NoSyncAccumulation) { equivalence(2, "model=mlp,mode=no_sync"); }
+TEST(Ddp, FindUnusedParameters) { equivalence(2, "model=mlp,mode=unused,buckets=default"); }
+TEST(Ddp, StaticGraph) { equivalence(2, "model=mlp,mode=static,buckets=default"); }
+TEST(Ddp, GradientAsBucketView) { equivalence(2, "model=mlp,mode=view"); }
+TEST(Ddp, DelayAllreduce) { equivalence(2, "model=mlp,mode=delay,buckets=default"); }
+TEST(Ddp, Fp16CompressHook) { equivalence(2, "model=mlp,mode=fp16"); }
+TEST(Ddp, Bf16CompressHook) { equivalence(2, "model=mlp,mode=bf16"); }
+TEST(Ddp, AllreduceAlwaysFp32Hook) { equivalence(2, "model=mlp,mode=fp32"); }
+TEST(Ddp, GradientPredivideFactor) { equivalence(3, "model=mlp,mode=predivide"); }
+TEST(Ddp, GradientSumWithoutAverage) { equivalence(2, "model=mlp,mode=sum"); }
+
+TEST(DdpAmp, InfOnOneRankSkipsEveryRankO2) {
+  LaunchOptions o;
+  o.arg = "O2";
+  EXPECT_TRUE(all_ranks_passed(launch("amp_skip", o)));
+}
+TEST(DdpAmp, InfOnOneRankSkipsEveryRankO1) {
+  LaunchOptions o;
+  o.arg = "O1";
+  EXPECT_TRUE(all_ranks_passed(launch("amp_skip", o)));
+}
+
+// Faults end in a clear error within the timeout (4 s), never a hang: the deadline is 60 s.
+TEST(DdpFaults, DeadRankFailsTheOthers) {
+  LaunchOptions o;
+  o.arg = "dead_rank";
+  o.deadline_s = 60;
+  const auto r = launch("fault", o);
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(r[0].exit_code, 0) << apex::test::describe(r);
+  EXPECT_EQ(r[1].exit_code, 3) << apex::test::describe(r);
+  EXPECT_LT(r[0].seconds, 30) << apex::test::describe(r);
+}
+TEST(DdpFaults, DifferentModelsAreRefused) {
+  LaunchOptions o;
+  o.arg = "diff_models";
+  const auto r = launch("fault", o);
+  EXPECT_TRUE(all_ranks_passed(r));
+  EXPECT_NE(r[0].output.find("rank 1"), std::string::npos) << apex::test::describe(r);
+}
+TEST(DdpFaults, SkippedBackwardFailsBothRanks) {
+  LaunchOptions o;
+  o.arg = "skip_backward";
+  o.deadline_s = 60;
+  EXPECT_TRUE(all_ranks_passed(launch("fault", o)));
+}
+TEST(DdpFaults, UnreachableStore) {
+  LaunchOptions o;
+  o.arg = "no_store";
+  o.ranks = {1};
+  o.deadline_s = 60;
+  const auto r = launch("fault", o);
+  EXPECT_TRUE(all_ranks_passed(r));
+  EXPECT_LT(r[0].seconds, 30) << apex::test::describe(r);
+}
+TEST(DdpFaults, WorldThatNeverFills) {
+  LaunchOptions o;
+  o.arg = "never_fills";
+  o.ranks = {0};
+  o.deadline_s = 60;
+  const auto r = launch("fault", o);
+  EXPECT_TRUE(all_ranks_passed(r));
+  EXPECT_LT(r[0].seconds, 30) << apex::test::describe(r);
+}
+
+// In-process checks of the group of one and of bad options.
+TEST(ProcessGroup, GroupOfOneAndBadOptions) {
+  EXPECT_TRUE(apex::test::throws_with(
+      [] { ap::init_process_group(ap::ProcessGroupOptions().rank(2).world_size(2)); },
+      "rank must be in [0, world_size = 2), got 2"));
+  EXPECT_TRUE(apex::test::throws_with(
+      [] {
+        ap::init_process_group(ap::ProcessGroupOptions().world_size(1).backend(ap::Backend::kNccl));
+      },
+      "NCCL backend is not available"));
+  auto pg = ap::init_process_group(ap::ProcessGroupOptions().rank(0).world_size(1));
+  EXPECT_EQ(pg.size(), 1);
+  at::Tensor t = at::arange(5, at::kFloat);
+  pg.all_reduce_(t);
+  EXPECT_TRUE(t.equal(at::arange(5, at::kFloat)));
+  EXPECT_TRUE(ap::default_process_group().valid());
+  ap::destroy_process_group();
+  EXPECT_FALSE(ap::default_process_group().valid());
+  EXPECT_TRUE(apex::test::throws_with([&] { ap::default_process_group().barrier(); },
+                                      "the group is not initialized"));
+  torch::nn::Linear frozen(2, 2);
+  for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+  auto pg1 = ap::init_process_group(ap::ProcessGroupOptions().rank(0).world_size(1));
+  EXPECT_TRUE(apex::test::throws_with(
+      [&] {
+        ap::DistributedDataParallel<torch::nn::Linear> d(frozen,
+                                                         ap::DistributedDataParallelOptions(), pg1);
+      },
+      "no parameter that requires a gradient"));
+  EXPECT_TRUE(apex::test::throws_with(
+      [&] {
+        ap::DistributedDataParallel<torch::nn::Linear> d(
+            torch::nn::Linear(2, 2), ap::DistributedDataParallelOptions().bucket_cap_mb(-1), pg1);
+      },
+      "bucket_cap_mb must be > 0, got -1"));
+}
+
+// A DDP of one process trains exactly as the bare module.
+TEST(ProcessGroup, DdpOfOneEqualsNoDdp) {
+  auto pg = ap::init_process_group(ap::ProcessGroupOptions().rank(0).world_size(1));
+  torch::manual_seed(1);
+  auto a = mlp();
+  torch::manual_seed(1);
+  auto b = mlp();
+  ap::DistributedDataParallel<torch::nn::Sequential> ddp(b, ap::DistributedDataParallelOptions(),
+                                                         pg);
+  torch::optim::SGD oa(a->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD ob(ddp->parameters(), torch::optim::SGDOptions(0.1));
+  for (int s = 0; s < 3; ++s) {
+    const at::Tensor x = randn_seeded({5, 12}, s);
+    oa.zero_grad();
+    ob.zero_grad();
+    a->forward(x).square().mean().backward();
+    ddp->forward(x).square().mean().backward();
+    oa.step();
+    ob.step();
+  }
+  EXPECT_EQ(compare_params(*b, *a, {0, 0}, "ddp of one"), 0);
+  EXPECT_EQ(ddp->named_parameters().begin()->key().rfind("module.", 0), 0u);
+  ap::destroy_process_group();
+}
