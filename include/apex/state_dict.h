@@ -6,8 +6,9 @@
 
 namespace apex {
 
-/// A string-keyed dict of IValues: what `state_dict()` returns throughout apex-cpp. It pickles
-/// (`torch::pickle_save`) into a file Python reads with `torch.load(f, weights_only=True)`.
+/// A string-keyed dict of IValues: what `state_dict()` returns throughout apex-cpp. Save it with
+/// `apex::save_pickle` (apex/serialize.h) for Python's `torch.load(f, weights_only=True)`:
+/// `torch::pickle_save` adds TorchScript type tags, which weights_only rejects.
 using StateDict = c10::impl::GenericDict;
 
 /// An empty `StateDict`.

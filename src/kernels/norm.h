@@ -1,6 +1,6 @@
 // Kernel interface of the fused LayerNorm / RMSNorm. Plain structs: the host layer
-// (src/normalization) checks tensors and calls the CPU backend (namespace kernels::cpu) or,
-// later, the CUDA backend with the same declarations. Rows are contiguous; math is in fp32.
+// (src/normalization) checks tensors and calls the CPU backend (namespace kernels::cpu) or the
+// CUDA backend (kernels/cuda/norm.cu) with the same declarations. Rows are contiguous; math is in fp32.
 #pragma once
 
 #include <cstddef>

@@ -1,6 +1,7 @@
 #pragma once
 
-// Shared test helpers: the tolerance table of shared/DESIGN.md, small models and learnable data.
+// Shared test helpers: the tolerance table (docs/design.md, "Tolerances"), small models and
+// learnable data.
 
 #include <gtest/gtest.h>
 #include <torch/cuda.h>

@@ -128,7 +128,7 @@ TEST(TrainCli, BadInput) {
       [] {
         parse_cli({"--steps", "ten"});
       },
-      "--steps expects an integer >= 1, got 'ten'"));
+      "--steps expects an integer in [1, 1000000000], got 'ten'"));
   EXPECT_TRUE(throws_with([] { parse_cli({"--lr", "-1"}); }, "--lr expects a number"));
   EXPECT_TRUE(throws_with(
       [] {
@@ -150,6 +150,30 @@ TEST(TrainCli, BadInput) {
       "either --steps or --epochs"));
   EXPECT_TRUE(throws_with([] { parse_cli({"--loss-scale", "big"}); }, "--loss-scale"));
   EXPECT_TRUE(throws_with([] { parse_cli({"stray"}); }, "unexpected argument 'stray'"));
+  // Every numeric flag is bounded: overflow, huge and wrapping values are refused, not clamped.
+  const std::vector<std::pair<std::vector<std::string>, std::string>> bounds = {
+      {{"--steps", "99999999999999999999"}, "--steps expects an integer in [1, 1000000000]"},
+      {{"--steps", "9223372036854775807"}, "--steps expects an integer in [1, 1000000000]"},
+      {{"--batch-size", "1000000000000"}, "--batch-size expects an integer in [1, 1048576]"},
+      {{"--accumulate", "4611686018427387904"}, "--accumulate expects an integer in [1, 1048576]"},
+      {{"--batch-size", "4096", "--accumulate", "4096"}, "16777216 samples per step, more than"},
+      {{"--width", "1000000000"}, "--width expects an integer in [1, 65536]"},
+      {{"--seed", "99999999999999999999"}, "--seed expects an integer in [0, 9223372036854775807]"},
+      {{"--epochs", "288230376151711744"}, "--epochs expects an integer in [1, 1000000]"},
+      {{"--threads", "4294967297"}, "--threads expects an integer in [1, 1024]"},
+      {{"--lr", "1e400"}, "--lr expects a number in [0, "},
+      {{"--nproc", "65"}, "--nproc expects an integer in [1, 64]"},
+  };
+  for (const auto& [args, message] : bounds) {
+    EXPECT_TRUE(throws_with([&] { parse_cli(args); }, message)) << args[0] << " " << args[1];
+  }
+  if (!at::hasCUDA()) {
+    EXPECT_TRUE(throws_with(
+        [] {
+          apex::train::check_device(parse_cli({"--device", "cuda"}).train);
+        },
+        "CPU-only build"));
+  }
 }
 
 // ---- every family at every level ---------------------------------------------------------------
@@ -514,7 +538,7 @@ TEST_F(TrainFiles, DistributedFlagErrors) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--model resnet --sync-bn --opt-level O0", "--sync-bn needs --ddp"},
       {"--model mlp --ddp --nproc 2 --opt-level O0", "give either --ddp"},
-      {"--model mlp --nproc 0 --opt-level O0", "--nproc expects an integer >= 1"},
+      {"--model mlp --nproc 0 --opt-level O0", "--nproc expects an integer in [1, 64]"},
       {"--model mlp --nproc 65 --opt-level O0", "--nproc expects an integer in [1, 64]"},
   };
   for (const auto& [args, message] : cases) {

@@ -183,6 +183,7 @@ void report(const Config& cfg, const std::string& area, const std::vector<Row>& 
                   r.name.c_str(), r.ours_ms * 1e3, r.peer_ms * 1e3, speedup, gbs, "-", "-");
     }
   }
+  if (cfg.json.empty()) return;  // JSON only where --json asks for it
   std::ofstream out(cfg.json);
   out << "{\"area\": \"" << area << "\", \"device\": \"" << cfg.device.str()
       << "\", \"threads\": " << threads << ", \"cpu_isa\": \"" << apex::optim::cpu_kernel_isa()

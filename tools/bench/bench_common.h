@@ -94,5 +94,8 @@ bool selected(const Config& cfg, const std::string& name);
 int run_optim(const Config& cfg);
 int run_norm(const Config& cfg);
 int run_train(const Config& cfg);
+int run_ddp(const Config& cfg);
+/// A rank of run_ddp: `apex-bench ddp-rank MODEL STEPS ddp|plain OUT` (internal).
+int run_ddp_rank(int argc, char** argv);
 
 }  // namespace apex::bench

@@ -47,7 +47,8 @@ int run_train(const Config& cfg) {
     std::vector<std::string> extra;
   };
   std::vector<Case> cases = {{"transformer", {}}, {"resnet", {}}};
-  std::ofstream json(cfg.json);
+  std::ofstream json;  // written only with --json (an unopened stream ignores the writes)
+  if (!cfg.json.empty()) json.open(cfg.json);
   json << "{\"area\": \"train\", \"threads\": " << threads << ", \"rows\": [";
   bool first_row = true;
   std::printf("%-12s %-6s %11s %9s %9s %10s %10s %9s\n", "model", "level", "samples/s", "vs O0",
@@ -83,7 +84,7 @@ int run_train(const Config& cfg) {
     }
   }
   json << "]}\n";
-  std::printf("results written to %s\n", cfg.json.c_str());
+  if (!cfg.json.empty()) std::printf("results written to %s\n", cfg.json.c_str());
   return 0;
 }
 

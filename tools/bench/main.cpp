@@ -21,6 +21,8 @@ void usage(std::FILE* out) {
       "expression\n"
       "  train     apex-train's transformer and resnet at O0/O1/O2 against the same models in "
       "PyTorch\n"
+      "  ddp       data-parallel weak scaling on this machine's cores (Gloo) against Python's "
+      "DDP\n"
       "options:\n"
       "  --device cpu|cuda   where to run (default cpu)\n"
       "  --threads N         intra-op threads (default: LibTorch's)\n"
@@ -28,7 +30,7 @@ void usage(std::FILE* out) {
       "  --warmup N          untimed runs first (default 2)\n"
       "  --only NAME         only this model (optim: resnet50, bert; train: transformer, resnet)\n"
       "                      or shape (norm: 4096x1024); repeatable\n"
-      "  --json FILE         where to write the results (default apex-bench-<area>.json)\n");
+      "  --json FILE         also write the results as JSON to FILE (default: none)\n");
 }
 
 int parse_int(const std::string& flag, const char* v) {
@@ -51,8 +53,15 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   const std::string area = argv[1];
+  if (area == "ddp-rank") {  // a rank of `apex-bench ddp` (internal)
+    try {
+      return apex::bench::run_ddp_rank(argc, argv);
+    } catch (const c10::Error& e) {
+      std::fprintf(stderr, "apex-bench: %s\n", e.what_without_backtrace());
+      return 1;
+    }
+  }
   apex::bench::Config cfg;
-  cfg.json = "apex-bench-" + area + ".json";
   for (int i = 2; i < argc; ++i) {
     const std::string flag = argv[i];
     if (i + 1 >= argc) {
@@ -86,6 +95,7 @@ int main(int argc, char** argv) {
     if (area == "optim") return apex::bench::run_optim(cfg);
     if (area == "norm") return apex::bench::run_norm(cfg);
     if (area == "train") return apex::bench::run_train(cfg);
+    if (area == "ddp") return apex::bench::run_ddp(cfg);
     std::fprintf(stderr, "apex-bench: unknown area '%s' (see --help)\n", area.c_str());
     return 2;
   } catch (const c10::Error& e) {

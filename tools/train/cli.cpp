@@ -3,30 +3,47 @@
 #include <apex/amp/utils.h>
 #include <c10/util/Exception.h>
 
+#include <ATen/Context.h>
 #include <algorithm>
 #include <cmath>
+
+#include <cerrno>
 #include <cstdlib>
+#include <limits>
 #include <set>
 #include <sstream>
 
 namespace apex::train {
 namespace {
 
-int64_t to_int(const std::string& flag, const std::string& v, int64_t min) {
+// A whole decimal integer in [min, max]; anything else (overflow included: strtoll would clamp
+// it) is refused with the range.
+int64_t to_int(const std::string& flag, const std::string& v, int64_t min, int64_t max) {
+  errno = 0;
   char* end = nullptr;
   const long long n = std::strtoll(v.c_str(), &end, 10);
-  TORCH_CHECK(!v.empty() && *end == '\0' && n >= min, "apex-train: ", flag,
-              " expects an integer >= ", min, ", got '", v, "'");
+  TORCH_CHECK(!v.empty() && *end == '\0' && errno == 0 && n >= min && n <= max,
+              "apex-train: ", flag, " expects an integer in [", min, ", ", max, "], got '", v, "'");
   return n;
 }
 
-double to_double(const std::string& flag, const std::string& v, double min) {
+// A finite number in [min, max].
+double to_double(const std::string& flag, const std::string& v, double min, double max = 1e30) {
   char* end = nullptr;
   const double d = std::strtod(v.c_str(), &end);
-  TORCH_CHECK(!v.empty() && *end == '\0' && d >= min && std::isfinite(d), "apex-train: ", flag,
-              " expects a number >= ", min, ", got '", v, "'");
+  TORCH_CHECK(!v.empty() && *end == '\0' && d >= min && d <= max && std::isfinite(d),
+              "apex-train: ", flag, " expects a number in [", min, ", ", max, "], got '", v, "'");
   return d;
 }
+
+// Upper bounds of the integer flags: far above any run this tool makes, low enough that no
+// product of them (steps x batch x accumulation x ranks) overflows 64 bits and that a size is
+// refused here, not by the allocator.
+constexpr int64_t kMaxSteps = 1000000000;
+constexpr int64_t kMaxBatch = 1 << 20;
+constexpr int64_t kMaxSamples = 1 << 26;
+constexpr int64_t kMaxWidth = 1 << 16;
+constexpr int64_t kMaxDepth = 1024;
 
 std::string one_of(const std::string& flag, const std::string& v,
                    const std::vector<std::string>& allowed) {
@@ -140,27 +157,27 @@ Cli parse_cli(const std::vector<std::string>& args) {
     if (flag == "--model") {
       o.model.family = one_of(flag, v, model_families());
     } else if (flag == "--width") {
-      o.model.width = to_int(flag, v, 1);
+      o.model.width = to_int(flag, v, 1, kMaxWidth);
     } else if (flag == "--depth") {
-      o.model.depth = to_int(flag, v, 1);
+      o.model.depth = to_int(flag, v, 1, kMaxDepth);
     } else if (flag == "--heads") {
-      o.model.heads = to_int(flag, v, 1);
+      o.model.heads = to_int(flag, v, 1, kMaxDepth);
     } else if (flag == "--data") {
       o.data = one_of(flag, v, kData);
     } else if (flag == "--data-dir") {
       o.data_dir = v;
     } else if (flag == "--train-size") {
-      o.train_size = to_int(flag, v, 1);
+      o.train_size = to_int(flag, v, 1, kMaxSamples);
     } else if (flag == "--test-size") {
-      o.test_size = to_int(flag, v, 1);
+      o.test_size = to_int(flag, v, 1, kMaxSamples);
     } else if (flag == "--seq-len") {
-      o.seq_len = to_int(flag, v, 8);
+      o.seq_len = to_int(flag, v, 8, 1 << 16);
     } else if (flag == "--vocab") {
-      o.vocab = to_int(flag, v, 8);
+      o.vocab = to_int(flag, v, 8, 1 << 24);
     } else if (flag == "--image-size") {
-      o.image_size = to_int(flag, v, 8);
+      o.image_size = to_int(flag, v, 8, 4096);
     } else if (flag == "--samples") {
-      o.samples = to_int(flag, v, 400);
+      o.samples = to_int(flag, v, 400, 1 << 24);
     } else if (flag == "--opt-level") {
       o.opt_level = one_of(flag, v, kLevels);
       level_set = true;
@@ -187,30 +204,30 @@ Cli parse_cli(const std::vector<std::string>& args) {
     } else if (flag == "--optimizer") {
       o.optimizer = one_of(flag, v, kOptimizers);
     } else if (flag == "--batch-size") {
-      o.batch_size = to_int(flag, v, 1);
+      o.batch_size = to_int(flag, v, 1, kMaxBatch);
     } else if (flag == "--accumulate") {
-      o.accumulate = to_int(flag, v, 1);
+      o.accumulate = to_int(flag, v, 1, kMaxBatch);
     } else if (flag == "--steps") {
-      o.steps = to_int(flag, v, 1);
+      o.steps = to_int(flag, v, 1, kMaxSteps);
     } else if (flag == "--epochs") {
-      o.epochs = to_int(flag, v, 1);
+      o.epochs = to_int(flag, v, 1, 1000000);
     } else if (flag == "--lr") {
-      o.lr = to_double(flag, v, 0.0);
+      o.lr = to_double(flag, v, 0.0, 1e6);
       TORCH_CHECK(o.lr > 0, "apex-train: --lr must be > 0, got '", v, "'");
     } else if (flag == "--warmup") {
-      o.warmup = to_int(flag, v, 0);
+      o.warmup = to_int(flag, v, 0, kMaxSteps);
     } else if (flag == "--weight-decay") {
-      o.weight_decay = to_double(flag, v, 0.0);
+      o.weight_decay = to_double(flag, v, 0.0, 1e6);
     } else if (flag == "--clip") {
-      o.clip = to_double(flag, v, 0.0);
+      o.clip = to_double(flag, v, 0.0, 1e30);
     } else if (flag == "--seed") {
-      o.seed = static_cast<uint64_t>(to_int(flag, v, 0));
+      o.seed = static_cast<uint64_t>(to_int(flag, v, 0, std::numeric_limits<int64_t>::max()));
     } else if (flag == "--device") {
       o.device = c10::Device(one_of(flag, v, {"cpu", "cuda"}));
     } else if (flag == "--threads") {
-      o.threads = static_cast<int>(to_int(flag, v, 1));
+      o.threads = static_cast<int>(to_int(flag, v, 1, 1024));
     } else if (flag == "--log-every") {
-      o.log_every = to_int(flag, v, 1);
+      o.log_every = to_int(flag, v, 1, kMaxSteps);
     } else if (flag == "--metrics") {
       o.metrics = v;
     } else if (flag == "--plot") {
@@ -218,15 +235,13 @@ Cli parse_cli(const std::vector<std::string>& args) {
     } else if (flag == "--checkpoint") {
       o.checkpoint = v;
     } else if (flag == "--checkpoint-every") {
-      o.checkpoint_every = to_int(flag, v, 1);
+      o.checkpoint_every = to_int(flag, v, 1, kMaxSteps);
     } else if (flag == "--stop-after") {
-      o.stop_after = to_int(flag, v, 1);
+      o.stop_after = to_int(flag, v, 1, kMaxSteps);
     } else if (flag == "--summary-out") {
       cli.summary_out = v;
     } else if (flag == "--nproc") {
-      cli.nproc = to_int(flag, v, 1);
-      TORCH_CHECK(cli.nproc <= 64, "apex-train: --nproc expects an integer in [1, 64], got '", v,
-                  "'");
+      cli.nproc = to_int(flag, v, 1, 64);
     } else {
       TORCH_CHECK(false, "apex-train: unknown option '", flag, "' (see --help)");
     }
@@ -253,6 +268,9 @@ Cli parse_cli(const std::vector<std::string>& args) {
     }
   }
   TORCH_CHECK(!o.resume || !o.checkpoint.empty(), "apex-train: --resume needs --checkpoint DIR");
+  TORCH_CHECK(o.batch_size * o.accumulate <= kMaxBatch, "apex-train: --batch-size ", o.batch_size,
+              " x --accumulate ", o.accumulate, " = ", o.batch_size * o.accumulate,
+              " samples per step, more than ", kMaxBatch, " (lower one of them)");
   TORCH_CHECK(!o.sync_bn || o.ddp || cli.nproc > 0,
               "apex-train: --sync-bn needs --ddp (under torchrun) or --nproc N");
   TORCH_CHECK(!(o.ddp && cli.nproc > 0),

@@ -187,6 +187,7 @@ int run_ranks(const Cli& cli) {
 }
 
 int run(const Cli& cli) {
+  apex::train::check_device(cli.train);  // before any data is loaded or rank started
   if (cli.compare.empty() && cli.nproc > 0) return run_ranks(cli);
   if (cli.compare.empty()) {
     const auto data = apex::train::load_data(cli.train);

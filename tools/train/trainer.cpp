@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/randperm.h>
@@ -291,7 +292,15 @@ double peak_rss_mb() {
   return 0.0;
 }
 
+void check_device(const TrainOptions& o) {
+  TORCH_CHECK(!o.device.is_cuda() || at::hasCUDA(),
+              "apex-train: --device cuda, but this LibTorch is a CPU-only build (or sees no "
+              "GPU): install a CUDA build of torch and rebuild (scripts/setup with "
+              "APEX_TORCH_SPEC), or use --device cpu");
+}
+
 Summary train(const TrainOptions& o, const Split& data) {
+  check_device(o);
   TORCH_CHECK(o.batch_size > 0, "apex-train: --batch-size must be > 0, got ", o.batch_size);
   TORCH_CHECK(o.accumulate > 0, "apex-train: --accumulate must be > 0, got ", o.accumulate);
   TORCH_CHECK(data.train.size() > 0 && data.test.size() > 0,
@@ -468,6 +477,12 @@ Summary train(const TrainOptions& o, const Split& data) {
   const Eval e = rank == 0 ? evaluate(model, ampp, data.test, o.device, 256) : Eval{};
   s.rank = rank;
   s.world_size = world;
+  if (ddp) {
+    const auto t = (*ddp)->engine().timings();
+    s.ddp_backward_compute_ms = static_cast<double>(t.backward_compute_ns) / 1e6;
+    s.ddp_backward_comm_ms = static_cast<double>(t.backward_comm_ns) / 1e6;
+    s.ddp_overlap_ms = static_cast<double>(t.backward_compute_comm_overlap_ns) / 1e6;
+  }
   s.steps = total - start;
   s.samples = s.steps * per_step;
   s.train_seconds = train_seconds;
@@ -496,7 +511,9 @@ std::string to_json(const Summary& s) {
       << ", \"skipped_steps\": " << s.skipped_steps
       << ", \"loss_scale\": " << json::num(s.loss_scale)
       << ", \"peak_rss_mb\": " << json::num(s.peak_rss_mb) << ", \"world_size\": " << s.world_size
-      << "}";
+      << ", \"ddp_backward_compute_ms\": " << json::num(s.ddp_backward_compute_ms)
+      << ", \"ddp_backward_comm_ms\": " << json::num(s.ddp_backward_comm_ms)
+      << ", \"ddp_overlap_ms\": " << json::num(s.ddp_overlap_ms) << "}";
   return out.str();
 }
 
@@ -515,6 +532,9 @@ Summary summary_from_json(const std::string& line) {
   s.loss_scale = json::get_number(line, "loss_scale");
   s.peak_rss_mb = json::get_number(line, "peak_rss_mb");
   s.world_size = static_cast<int64_t>(json::get_number(line, "world_size"));
+  s.ddp_backward_compute_ms = json::get_number(line, "ddp_backward_compute_ms");
+  s.ddp_backward_comm_ms = json::get_number(line, "ddp_backward_comm_ms");
+  s.ddp_overlap_ms = json::get_number(line, "ddp_overlap_ms");
   return s;
 }
 

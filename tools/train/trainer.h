@@ -79,12 +79,20 @@ struct Summary {
   double peak_rss_mb = 0;  ///< the process's high-water mark (VmHWM)
   int64_t rank = 0;        ///< this process's rank (only rank 0's summary is complete)
   int64_t world_size = 1;  ///< ranks that trained (samples and samples/s are summed over them)
+  /// DDP runs: c10d's Logger averages (its sampled iterations) of rank 0's backward compute, its
+  /// all-reduce time, and how much of that ran while backward was still computing; ms.
+  double ddp_backward_compute_ms = 0;
+  double ddp_backward_comm_ms = 0;
+  double ddp_overlap_ms = 0;
   std::vector<StepRecord> curve;
 };
 
 /// Optimizer steps of a run over a train split of `train_size` samples (--steps, or --epochs),
 /// `world` ranks each taking their batch per step.
 int64_t total_steps(const TrainOptions& options, int64_t train_size, int64_t world = 1);
+
+/// Refuses a device this LibTorch cannot serve, saying what to install or pass.
+void check_device(const TrainOptions& options);
 
 /// Loads (or generates) the data the options name; errors are one-line c10::Errors.
 Split load_data(const TrainOptions& options);

@@ -1,0 +1,186 @@
+// apex-bench ddp: data-parallel training on this machine's cores. apex-train's transformer and
+// resnet in fp32, each rank one thread and the same per-rank batch (weak scaling): one process
+// without DDP, one with a DDP of one (the wrapper's cost), and `ranks` of them over Gloo; the
+// peer, in the same run, is Python's torch.nn.parallel.DistributedDataParallel on the same model
+// (tools/bench/ddp_peer.py). The machine's limit is N plain single-rank jobs run side by side
+// (they share its memory and caches as the ranks do). Ranks are copies of this program
+// ("apex-bench ddp-rank", hidden).
+#include <arpa/inet.h>
+#include <c10/util/Exception.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "bench_common.h"
+#include "train/cli.h"
+#include "train/data.h"
+#include "train/json.h"
+#include "train/trainer.h"
+
+namespace apex::bench {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// A TCP port on 127.0.0.1 that was free a moment ago.
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  const bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  if (fd >= 0) ::close(fd);
+  TORCH_CHECK(ok, "apex-bench ddp: no free port on 127.0.0.1");
+  return ntohs(a.sin_port);
+}
+
+// apex-train's run of `model` in `world` ranks (0: no DDP), rank 0's summary. With `independent`
+// > 0: that many plain processes at once, no DDP (the machine's limit for weak scaling: what
+// `independent` single-rank jobs achieve side by side); their samples/s summed.
+apex::train::Summary apex_run(const std::string& model, int world, int64_t steps,
+                              const fs::path& work, int independent = 0) {
+  const fs::path out = work / ("apex-" + model + "-" + std::to_string(world) + ".json");
+  const int ranks = independent > 0 ? independent : std::max(1, world);
+  const std::string port = std::to_string(free_port());
+  std::vector<pid_t> pids;
+  std::fflush(stdout);
+  for (int r = 0; r < ranks; ++r) {
+    const pid_t pid = fork();
+    TORCH_CHECK(pid >= 0, "apex-bench ddp: fork failed");
+    if (pid == 0) {
+      if (world > 0) {
+        setenv("RANK", std::to_string(r).c_str(), 1);
+        setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+        setenv("MASTER_ADDR", "127.0.0.1", 1);
+        setenv("MASTER_PORT", port.c_str(), 1);
+      }
+      const std::string s = std::to_string(steps);
+      const std::string o = independent > 0 ? out.string() + "." + std::to_string(r) : out.string();
+      execl("/proc/self/exe", "apex-bench", "ddp-rank", model.c_str(), s.c_str(),
+            world > 0 ? "ddp" : "plain", o.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    pids.push_back(pid);
+  }
+  bool ok = true;
+  for (const pid_t p : pids) {
+    int status = 0;
+    waitpid(p, &status, 0);
+    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }
+  TORCH_CHECK(ok, "apex-bench ddp: a rank of the ", model, " run with ", world, " ranks failed");
+  if (independent == 0) return apex::train::summary_from_json(read_text(out));
+  apex::train::Summary sum;
+  for (int r = 0; r < independent; ++r) {
+    sum.samples_per_s +=
+        apex::train::summary_from_json(read_text(out.string() + "." + std::to_string(r)))
+            .samples_per_s;
+  }
+  return sum;
+}
+
+double python_run(const std::string& model, int world, int64_t steps) {
+  const std::string cmd = std::string(APEX_PYTHON) + " " + APEX_SOURCE_DIR +
+                          "/tools/bench/ddp_peer.py --model " + model + " --world " +
+                          std::to_string(world) + " --steps " + std::to_string(steps) +
+                          " --threads 1";
+  FILE* p = popen(cmd.c_str(), "r");
+  TORCH_CHECK(p != nullptr, "apex-bench: cannot run ", cmd);
+  std::string out;
+  char buf[512];
+  while (std::fgets(buf, sizeof(buf), p) != nullptr) out += buf;
+  TORCH_CHECK(pclose(p) == 0, "apex-bench: the Python DDP peer failed: ", cmd, "\n", out);
+  return apex::train::json::get_number(out, "samples_per_s");
+}
+
+}  // namespace
+
+int run_ddp_rank(int argc, char** argv) {
+  TORCH_CHECK(argc == 6, "apex-bench ddp-rank: internal use (model steps ddp|plain out)");
+  const std::string model = argv[2];
+  apex::train::Cli cli = apex::train::parse_cli(
+      {"--model", model, "--opt-level", "fp32", "--no-progress", "--threads", "1", "--steps",
+       argv[3], "--log-every", argv[3], "--optimizer", "fused-adam"});
+  cli.train.ddp = std::string(argv[4]) == "ddp";
+  const auto data = apex::train::load_data(cli.train);
+  const auto s = apex::train::train(cli.train, data);
+  if (s.rank == 0) {
+    std::ofstream(argv[5]) << apex::train::to_json(s) << "\n";
+  }
+  return 0;
+}
+
+int run_ddp(const Config& cfg) {
+  TORCH_CHECK(cfg.device.is_cpu(), "apex-bench ddp runs on the CPU (Gloo)");
+  const long cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+  const int world = static_cast<int>(std::min<long>(cores, 8));
+  TORCH_CHECK(world >= 2, "apex-bench ddp needs at least 2 cores, this machine has ", cores);
+  const fs::path work = fs::temp_directory_path() / ("apex-bench-ddp-" + std::to_string(getpid()));
+  fs::create_directories(work);
+  std::ofstream json;  // written only with --json (an unopened stream ignores the writes)
+  if (!cfg.json.empty()) json.open(cfg.json);
+  json << "{\"area\": \"ddp\", \"ranks\": " << world << ", \"threads_per_rank\": 1, \"rows\": [";
+  bool first = true;
+  std::printf("%d ranks x 1 thread against 1 x 1, fp32, per-rank batch 64 (weak scaling)\n", world);
+  std::printf("%-12s %8s %8s %9s %8s %8s %7s %8s %8s %7s %8s %8s %7s %6s\n", "model", "1x1",
+              "Nx1 indep", "ddp1", "ddp1 cost", "ddpN", "effic.", "vs limit", "comm ms", "hidden",
+              "py 1x1", "py ddpN", "py eff", "vs py");
+  for (const std::string model : {"transformer", "resnet"}) {
+    if (!selected(cfg, model)) continue;
+    const int64_t steps = model == "transformer" ? 16 : 30;
+    const auto plain = apex_run(model, 0, steps, work);
+    const auto side_by_side = apex_run(model, 0, steps, work, world);
+    const auto one = apex_run(model, 1, steps, work);
+    const auto many = apex_run(model, world, steps, work);
+    const double py_plain = python_run(model, 0, steps);
+    const double py = python_run(model, world, steps);
+    const double efficiency = many.samples_per_s / (world * plain.samples_per_s);
+    const double vs_limit = many.samples_per_s / side_by_side.samples_per_s;
+    const double py_efficiency = py / (world * py_plain);
+    const double cost = 1.0 - one.samples_per_s / plain.samples_per_s;
+    const double hidden =
+        many.ddp_backward_comm_ms > 0 ? many.ddp_overlap_ms / many.ddp_backward_comm_ms : 0.0;
+    std::printf(
+        "%-12s %8.1f %8.1f %8.1f %7.1f%% %8.1f %6.1f%% %7.1f%% %8.1f %6.1f%% %8.1f %8.1f %6.1f%% "
+        "%5.2fx\n",
+        model.c_str(), plain.samples_per_s, side_by_side.samples_per_s, one.samples_per_s,
+        100 * cost, many.samples_per_s, 100 * efficiency, 100 * vs_limit, many.ddp_backward_comm_ms,
+        100 * hidden, py_plain, py, 100 * py_efficiency, many.samples_per_s / py);
+    std::fflush(stdout);
+    json << (first ? "" : ", ") << "{\"model\": \"" << model
+         << "\", \"plain_samples_per_s\": " << plain.samples_per_s
+         << ", \"ddp1_samples_per_s\": " << one.samples_per_s
+         << ", \"ddp_samples_per_s\": " << many.samples_per_s
+         << ", \"independent_samples_per_s\": " << side_by_side.samples_per_s
+         << ", \"weak_scaling_efficiency\": " << efficiency << ", \"vs_limit\": " << vs_limit
+         << ", \"ddp1_cost\": " << cost << ", \"peer_plain_samples_per_s\": " << py_plain
+         << ", \"peer_weak_scaling_efficiency\": " << py_efficiency
+         << ", \"backward_compute_ms\": " << many.ddp_backward_compute_ms
+         << ", \"backward_comm_ms\": " << many.ddp_backward_comm_ms
+         << ", \"overlap_ms\": " << many.ddp_overlap_ms << ", \"hidden_share\": " << hidden
+         << ", \"peer_ddp_samples_per_s\": " << py << ", \"steps\": " << steps << "}";
+    first = false;
+  }
+  json << "]}\n";
+  std::error_code ec;
+  fs::remove_all(work, ec);
+  if (!cfg.json.empty()) std::printf("results written to %s\n", cfg.json.c_str());
+  return 0;
+}
+
+}  // namespace apex::bench
