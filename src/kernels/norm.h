@@ -1,6 +1,7 @@
 // Kernel interface of the fused LayerNorm / RMSNorm. Plain structs: the host layer
 // (src/normalization) checks tensors and calls the CPU backend (namespace kernels::cpu) or the
-// CUDA backend (kernels/cuda/norm.cu) with the same declarations. Rows are contiguous; math is in fp32.
+// CUDA backend (kernels/cuda/norm.cu) with the same declarations. Rows are contiguous; math is in
+// fp32.
 #pragma once
 
 #include <cstddef>

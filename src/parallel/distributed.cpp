@@ -41,11 +41,11 @@ std::shared_ptr<c10d::Reducer> make_reducer(std::vector<at::Tensor> params,
                                          /*use_python_reducer=*/false,
                                          /*bucket_bytes_cap_list=*/std::vector<int64_t>{});
 #else
-  // torch 2.5 - 2.12: per-bucket size limits third, none of the 2.13 additions.
-  std::vector<size_t> limits(buckets.size(), static_cast<size_t>(cap));
-  return std::make_shared<c10d::Reducer>(std::move(params), std::move(buckets), std::move(limits),
-                                         pg, std::move(sparse), cap, find_unused, grad_as_view,
-                                         std::move(names), first_cap);
+  // Older minors order and name the arguments differently (the lent GPU machine has 2.11); no
+  // call for them has been compiled yet, so they get a clear error rather than a guess.
+  TORCH_CHECK(false, kWho, ": built against torch ", TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR,
+              ", whose c10d::Reducer constructor apex-cpp does not call yet (torch 2.13 or later "
+              "is needed for DistributedDataParallel)");
 #endif
 }
 
@@ -88,16 +88,22 @@ class BucketHook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::Pr
   double post_;
 };
 
+// What the output node's backward needs, held weakly: a graph may outlive its DDP module (the
+// backward then does nothing DDP-specific), as Python's sink holds a weakref.
+struct SinkState : torch::CustomClassHolder {
+  std::weak_ptr<c10d::Reducer> reducer;
+  std::weak_ptr<bool> delay_pending;  // a static graph's first delayed all-reduce not queued yet
+};
+
 // DDP's identity node on the outputs (Python's _DDPSink): a clone, so that the Reducer sees a
 // backward even for outputs the loss does not use, and, in a static graph's first iteration, the
 // place to queue the delayed all-reduce at the end of backward.
 struct DdpSink : public torch::autograd::Function<DdpSink> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                c10d::Reducer* reducer, bool* enqueue_delay,
+                                                const c10::intrusive_ptr<SinkState>& state,
                                                 at::TensorList inputs) {
     ctx->set_materialize_grads(false);
-    ctx->saved_data["reducer"] = reinterpret_cast<int64_t>(reducer);
-    ctx->saved_data["enqueue"] = reinterpret_cast<int64_t>(enqueue_delay);
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
     torch::autograd::variable_list out;
     out.reserve(inputs.size());
     for (const auto& t : inputs) out.push_back(t.defined() ? t.clone() : t);
@@ -105,14 +111,16 @@ struct DdpSink : public torch::autograd::Function<DdpSink> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto* reducer = reinterpret_cast<c10d::Reducer*>(ctx->saved_data["reducer"].toInt());
-    auto* enqueue = reinterpret_cast<bool*>(ctx->saved_data["enqueue"].toInt());
-    if (*enqueue) {
-      *enqueue = false;
-      torch::autograd::Engine::get_default_engine().queue_callback(
-          [reducer] { reducer->delay_all_reduce(); });
+    const auto capsule = ctx->saved_data["state"].toCapsule();
+    const auto* state = static_cast<const SinkState*>(capsule.get());
+    const auto pending = state->delay_pending.lock();
+    if (pending && *pending) {
+      *pending = false;
+      torch::autograd::Engine::get_default_engine().queue_callback([weak = state->reducer] {
+        if (auto r = weak.lock()) r->delay_all_reduce();
+      });
     }
-    torch::autograd::variable_list out{at::Tensor(), at::Tensor()};
+    torch::autograd::variable_list out{at::Tensor()};
     out.insert(out.end(), grads.begin(), grads.end());
     return out;
   }
@@ -128,7 +136,7 @@ struct DdpEngine::State {
   std::shared_ptr<c10d::Logger> logger;
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
   bool require_forward_param_sync = true;
-  bool static_delay_pending = false;  // a static graph's first delayed all-reduce not queued yet
+  std::shared_ptr<bool> static_delay_pending = std::make_shared<bool>(false);
   bool training_output_pending = false;
 };
 
@@ -214,13 +222,22 @@ DdpEngine::DdpEngine(torch::nn::Module& module, ProcessGroup group,
   if (o.static_graph()) {
     s.reducer->set_static_graph();
     s.logger->set_static_graph();
-    s.static_delay_pending = true;
+    *s.static_delay_pending = true;
   }
   const double world = static_cast<double>(group_.size());
   const double f = o.gradient_predivide_factor();
   if (o.comm_hook() != CommHook::kAllReduce || f != 1.0 || !o.gradient_average()) {
-    const double pre = o.gradient_average() ? 1.0 / f : 1.0;
-    const double post = o.gradient_average() ? f / world : 1.0;
+    // apex: x 1/f before, x f/world after when averaging (a plain sum / f otherwise). The 16-bit
+    // wires divide by world before the sum, as torch's compress hooks do, so that a sum over many
+    // ranks stays in range.
+    const bool compress =
+        o.comm_hook() == CommHook::kFp16Compress || o.comm_hook() == CommHook::kBf16Compress;
+    double pre = 1.0 / f;
+    double post = o.gradient_average() ? f / world : 1.0;
+    if (compress && f == 1.0 && o.gradient_average()) {
+      pre = 1.0 / world;
+      post = 1.0;
+    }
     s.reducer->register_comm_hook(std::make_unique<BucketHook>(s.pg, o.comm_hook(), pre, post));
   }
 }
@@ -269,7 +286,7 @@ void DdpEngine::pre_forward() {
 bool DdpEngine::wants_sink() const {
   const auto& o = options_;
   return state_->training_output_pending && ((o.find_unused_parameters() && !o.static_graph()) ||
-                                             (o.static_graph() && state_->static_delay_pending));
+                                             (o.static_graph() && *state_->static_delay_pending));
 }
 
 std::vector<at::Tensor> DdpEngine::post_forward(std::vector<at::Tensor> outputs) {
@@ -299,7 +316,10 @@ std::vector<at::Tensor> DdpEngine::post_forward(std::vector<at::Tensor> outputs)
     }
   }
   if (through.empty()) return outputs;
-  auto passed = DdpSink::apply(s.reducer.get(), &s.static_delay_pending, at::TensorList(through));
+  auto sink = c10::make_intrusive<SinkState>();
+  sink->reducer = s.reducer;
+  sink->delay_pending = s.static_delay_pending;
+  auto passed = DdpSink::apply(sink, at::TensorList(through));
   for (size_t k = 0; k < with_grad.size(); ++k) outputs[with_grad[k]] = passed[k];
   return outputs;
 }

@@ -250,7 +250,7 @@ ProcessGroup init_process_group(const ProcessGroupOptions& o) {
     try {
       base = c10::make_intrusive<c10d::TCPStore>(addr, so);
     } catch (const std::exception& e) {
-      if (so.masterListenFd) ::close(*so.masterListenFd);
+      // (The listening socket is the store's now, whether or not it got far enough to close it.)
       TORCH_CHECK(false, who, ": rank ", rank, " of ", world, " could not ",
                   so.isServer ? "gather every rank at its store on " : "reach the store at ", addr,
                   ":", port, " within ", o.timeout().count(), " ms (",

@@ -296,10 +296,12 @@ at::Tensor SyncBatchNormImpl::forward(const at::Tensor& input) {
   TORCH_CHECK(input.dim() >= 2, kWho, ": expected input of shape (N, C, *), got ", input.sizes());
   TORCH_CHECK(input.size(1) == options.num_features(), kWho, ": expected ", options.num_features(),
               " channels (dim 1), got input of size ", input.sizes());
-  const bool batch_stats = is_training() || !options.track_running_stats();
-  if (!batch_stats) {
-    // Evaluation: the running statistics, no communication (ATen's own kernel).
-    return at::batch_norm(input, weight, bias, running_mean, running_var, false, 0.0, options.eps(),
+  if (!is_training()) {
+    // Evaluation never communicates (as torch's SyncBatchNorm): the running statistics, or,
+    // without them, this rank's batch statistics (ATen's own kernel either way).
+    const bool batch_stats = !options.track_running_stats();
+    return at::batch_norm(input, weight, bias, batch_stats ? at::Tensor() : running_mean,
+                          batch_stats ? at::Tensor() : running_var, batch_stats, 0.0, options.eps(),
                           false);
   }
   TORCH_CHECK(input.device().is_cpu(), kWho, ": training input on ", input.device(),
@@ -307,7 +309,7 @@ at::Tensor SyncBatchNormImpl::forward(const at::Tensor& input) {
   TORCH_CHECK(group.valid(), kWho,
               ": no process group (call apex::parallel::init_process_group before constructing "
               "the module, or pass one)");
-  const bool track = is_training() && options.track_running_stats();
+  const bool track = options.track_running_stats();
   const auto opt = [](bool use, const at::Tensor& t) {
     return use && t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
   };

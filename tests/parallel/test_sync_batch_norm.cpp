@@ -140,6 +140,17 @@ int syncbn(int rank, int world, const std::string& arg) {
     check(bn->running_mean, ref->running_mean, "running_mean");
     check(bn->running_var, ref->running_var, "running_var");
   }
+  // Evaluation: the running statistics, no communication (rank 0 alone here; a collective would
+  // wait for the others until the timeout).
+  bn->eval();
+  if (rank == 0) {
+    const at::Tensor X = global_input(c, total, 999);
+    const at::Tensor x = as_layout(X.to(c.dtype), c);
+    const at::Tensor want =
+        at::batch_norm(X.to(at::kDouble), ref->weight, ref->bias, ref->running_mean,
+                       ref->running_var, false, 0.3, 1e-5, false);
+    check(bn->forward(x), want, "eval output");
+  }
   if (bn->num_batches_tracked.item<int64_t>() != 3) {
     std::cout << "num_batches_tracked " << bn->num_batches_tracked.item<int64_t>() << "\n";
     ++bad;
@@ -173,8 +184,14 @@ TEST(SyncBatchNorm, Fp16ChannelsLast) { run(2, "sizes=3:4,dtype=fp16,layout=cl")
 // One process: the kernels against BatchNorm, over long and short channel runs.
 TEST(SyncBatchNormLocal, GroupOfOneEqualsBatchNorm) {
   auto pg = ap::init_process_group(ap::ProcessGroupOptions().rank(0).world_size(1));
-  for (const auto& sizes :
-       std::vector<std::vector<int64_t>>{{9, 3, 17, 19}, {300, 6}, {2, 4, 1000}, {65, 2, 1, 1}}) {
+  for (const auto& sizes : std::vector<std::vector<int64_t>>{
+           {9, 3, 17, 19},
+           {300, 6},
+           {2, 4, 1000},
+           {65, 2, 1, 1},
+           // Large enough that every walk splits across threads (the check below).
+           {4096, 64},
+           {2, 64, 4096}}) {
     torch::nn::BatchNormOptions o(sizes[1]);
     ap::SyncBatchNorm bn(o, pg);
     torch::nn::BatchNorm1d ref(o);

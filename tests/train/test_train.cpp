@@ -534,6 +534,46 @@ TEST_F(TrainFiles, TorchrunAndNprocTrainAlike) {
   EXPECT_NE(sa.find("\"world_size\": 2"), std::string::npos) << sa;
 }
 
+// A data-parallel run's checkpoint (written by rank 0) resumes in one process, and a run of one
+// resumes in two: checkpoints hold the bare model, whatever the world size.
+TEST_F(TrainFiles, CheckpointsResumeOnAnotherWorldSize) {
+  const std::string common = std::string(APEX_TRAIN_EXE) +
+                             " --no-progress --model mlp --opt-level O2 --steps 8 --batch-size 8 "
+                             "--train-size 128 --test-size 32 --threads 1 --checkpoint-every 2 ";
+  const Proc a = run(common + "--nproc 2 --stop-after 4 --checkpoint " + path("two"));
+  ASSERT_EQ(a.status, 0) << a.out;
+  EXPECT_EQ(read_text(path("two") + "/latest"), "step-4\n");
+  const Proc b = run(common + "--resume --checkpoint " + path("two"));
+  ASSERT_EQ(b.status, 0) << b.out;
+  EXPECT_EQ(read_text(path("two") + "/latest"), "step-8\n");
+  const Proc c = run(common + "--stop-after 4 --checkpoint " + path("one"));
+  ASSERT_EQ(c.status, 0) << c.out;
+  const Proc d = run(common + "--nproc 2 --resume --checkpoint " + path("one"));
+  ASSERT_EQ(d.status, 0) << d.out;
+  EXPECT_EQ(read_text(path("one") + "/latest"), "step-8\n");
+}
+
+// The data-parallel shards: disjoint across ranks, every sample once per epoch, reshuffled per
+// epoch from the seed alone.
+TEST(TrainData, DistributedShardsCoverEachEpochOnce) {
+  const int64_t n = 96, batch = 4, world = 3;
+  apex::train::EpochSampler a(n, 5), b(n, 5);
+  std::vector<int> seen(n, 0);
+  for (int64_t m = 0; m < n / (batch * world); ++m) {
+    for (int64_t r = 0; r < world; ++r) {
+      const at::Tensor idx = a.shard(m, batch, world, r);
+      ASSERT_EQ(idx.numel(), batch);
+      for (int64_t i = 0; i < batch; ++i) ++seen[idx[i].item<int64_t>()];
+      EXPECT_TRUE(idx.equal(b.shard(m, batch, world, r)));  // the same seed, the same shards
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) EXPECT_EQ(seen[i], 1) << "sample " << i;
+  // The next epoch is another permutation.
+  const at::Tensor e0 = a.indices(0, n), e1 = a.indices(n, n);
+  EXPECT_FALSE(e0.equal(e1));
+  EXPECT_TRUE(std::get<0>(e1.sort()).equal(at::arange(n, at::kLong)));
+}
+
 TEST_F(TrainFiles, DistributedFlagErrors) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--model resnet --sync-bn --opt-level O0", "--sync-bn needs --ddp"},

@@ -249,6 +249,9 @@ Cli parse_cli(const std::vector<std::string>& args) {
   TORCH_CHECK(!(level_set && !cli.compare.empty()),
               "apex-train: give either --opt-level or --compare, not both");
   if (!half_set && o.device.is_cuda()) o.half_dtype = c10::kHalf;
+  TORCH_CHECK(!o.ddp || (level_set && cli.compare.empty()),
+              "apex-train: --ddp trains one opt level: give --opt-level (to compare levels "
+              "data-parallel, run apex-train --nproc N --compare ...)");
   if (!level_set && cli.compare.empty()) {
     cli.compare = {"O0", "O1", "O2"};
     // On a CPU where LibTorch multiplies the half dtype in a scalar loop, O1 and O2 would take an

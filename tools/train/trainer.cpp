@@ -87,37 +87,6 @@ double lr_at(const TrainOptions& o, int64_t step, int64_t total) {
   return o.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * t)));
 }
 
-// The sample order: a fresh permutation of the train split per epoch, drawn from the seed and the
-// epoch number only, so a resumed run sees the same batches.
-class Sampler {
- public:
-  Sampler(int64_t n, uint64_t seed) : n_(n), seed_(seed) {}
-  at::Tensor indices(int64_t first, int64_t count) {
-    std::vector<at::Tensor> parts;
-    while (count > 0) {
-      const int64_t epoch = first / n_;
-      if (epoch != epoch_) {
-        auto gen =
-            at::detail::createCPUGenerator(seed_ * 1000003ULL + static_cast<uint64_t>(epoch));
-        perm_ = at::randperm(n_, gen, at::TensorOptions().dtype(at::kLong));
-        epoch_ = epoch;
-      }
-      const int64_t off = first % n_;
-      const int64_t take = std::min(count, n_ - off);
-      parts.push_back(perm_.slice(0, off, off + take));
-      first += take;
-      count -= take;
-    }
-    return parts.size() == 1 ? parts[0] : at::cat(parts);
-  }
-
- private:
-  int64_t n_;
-  uint64_t seed_;
-  int64_t epoch_ = -1;
-  at::Tensor perm_;
-};
-
 // ---- checkpoints
 // ----------------------------------------------------------------------------------
 
@@ -252,6 +221,28 @@ Eval evaluate(std::shared_ptr<Classifier>& model, apex::amp::Amp* amp, const Dat
 
 }  // namespace
 
+at::Tensor EpochSampler::indices(int64_t first, int64_t count) {
+  std::vector<at::Tensor> parts;
+  while (count > 0) {
+    const int64_t epoch = first / n_;
+    if (epoch != epoch_) {
+      auto gen = at::detail::createCPUGenerator(seed_ * 1000003ULL + static_cast<uint64_t>(epoch));
+      perm_ = at::randperm(n_, gen, at::TensorOptions().dtype(at::kLong));
+      epoch_ = epoch;
+    }
+    const int64_t off = first % n_;
+    const int64_t take = std::min(count, n_ - off);
+    parts.push_back(perm_.slice(0, off, off + take));
+    first += take;
+    count -= take;
+  }
+  return parts.size() == 1 ? parts[0] : at::cat(parts);
+}
+
+at::Tensor EpochSampler::shard(int64_t micro_batch, int64_t batch, int64_t world, int64_t rank) {
+  return indices(micro_batch * batch * world + rank * batch, batch);
+}
+
 int64_t total_steps(const TrainOptions& o, int64_t train_size, int64_t world) {
   if (o.steps > 0) return o.steps;
   const int64_t per_step = o.batch_size * o.accumulate * world;
@@ -347,7 +338,7 @@ Summary train(const TrainOptions& o, const Split& data) {
   Summary s;
   s.level = o.opt_level;
   s.model = describe(o.model, *model);
-  Sampler sampler(data.train.size(), o.seed);
+  EpochSampler sampler(data.train.size(), o.seed);
   std::FILE* metrics = nullptr;
   if (!o.metrics.empty() && rank == 0) {
     // A resumed run keeps the records up to its checkpoint and drops the rest (steps logged after
@@ -379,9 +370,8 @@ Summary train(const TrainOptions& o, const Split& data) {
       }
       for (int64_t micro = 0; micro < o.accumulate; ++micro) {
         // This rank's slice of the micro-batch's global sample positions.
-        const at::Tensor idx = sampler.indices(
-            (step * o.accumulate + micro) * o.batch_size * world + rank * o.batch_size,
-            o.batch_size);
+        const at::Tensor idx =
+            sampler.shard(step * o.accumulate + micro, o.batch_size, world, rank);
         const at::Tensor x = data.train.inputs.index_select(0, idx).to(o.device);
         const at::Tensor y = data.train.labels.index_select(0, idx).to(o.device);
         // Micro-batches before the last only accumulate: DDP reduces once per step.
@@ -453,11 +443,18 @@ Summary train(const TrainOptions& o, const Split& data) {
       }
       if (!o.checkpoint.empty() &&
           (last || (o.checkpoint_every > 0 && (step + 1) % o.checkpoint_every == 0))) {
-        // Never save weights a non-finite loss may have spoiled (between logged steps too).
-        TORCH_CHECK(dynamic || std::isfinite(window_loss.item<double>()),
-                    "apex-train: the loss became non-finite before step ", step + 1, " at ",
-                    o.opt_level, ": training diverged (no checkpoint written); lower --lr (", o.lr,
-                    ")");
+        // Never save weights a non-finite loss may have spoiled (between logged steps too), and
+        // decide it alike on every rank (a rank that stopped alone would leave the others
+        // waiting at the barrier below).
+        double finite = std::isfinite(window_loss.item<double>()) ? 1.0 : 0.0;
+        if (pg) {
+          at::Tensor all = at::full({1}, finite, at::kDouble);
+          pg->all_reduce_(all);
+          finite = all.item<double>() == static_cast<double>(world) ? 1.0 : 0.0;
+        }
+        TORCH_CHECK(dynamic || finite == 1.0, "apex-train: the loss became non-finite before step ",
+                    step + 1, " at ", o.opt_level,
+                    ": training diverged (no checkpoint written); lower --lr (", o.lr, ")");
         // Rank 0 writes (every rank holds the same state); the others wait for it.
         if (rank == 0) save_checkpoint(o, step + 1, *model, *optimizer, ampp);
         if (pg) pg->barrier();

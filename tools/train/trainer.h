@@ -3,6 +3,7 @@
 // apex-train's training run: one model at one opt level, from options to a summary. The CLI
 // (cli.h) fills TrainOptions; --compare runs one of these per level, each in its own process.
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
@@ -85,6 +86,24 @@ struct Summary {
   double ddp_backward_comm_ms = 0;
   double ddp_overlap_ms = 0;
   std::vector<StepRecord> curve;
+};
+
+/// The sample order: a fresh permutation of the train split per epoch, drawn from the seed and
+/// the epoch number only (a resumed run sees the same batches).
+class EpochSampler {
+ public:
+  EpochSampler(int64_t n, uint64_t seed) : n_(n), seed_(seed) {}
+  /// Sample indices at positions [first, first + count) of the epochs' concatenated orders.
+  at::Tensor indices(int64_t first, int64_t count);
+  /// Rank `rank`'s slice of global micro-batch `micro_batch` (of batch x world positions): the
+  /// ranks' shards are disjoint, and over an epoch every sample is seen once.
+  at::Tensor shard(int64_t micro_batch, int64_t batch, int64_t world, int64_t rank);
+
+ private:
+  int64_t n_;
+  uint64_t seed_;
+  int64_t epoch_ = -1;
+  at::Tensor perm_;
 };
 
 /// Optimizer steps of a run over a train split of `train_size` samples (--steps, or --epochs),
