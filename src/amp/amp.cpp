@@ -365,7 +365,14 @@ void ScaledLoss::backward(bool retain_graph) {
   TORCH_CHECK(!backward_done_,
               "ScaledLoss::backward: backward was already called in this scale_loss scope; "
               "start a new scope for another backward pass");
-  scaled_.backward({}, retain_graph);
+  {
+    // The backward of half matmuls, on CPUs without fast ones (no-op elsewhere).
+    const auto& p = state_->props;
+    const CpuHalfFallbackGuard half_fallback(
+        p.enabled &&
+        (p.patch_torch_functions || (p.cast_model_type && *p.cast_model_type != at::kFloat)));
+    scaled_.backward({}, retain_graph);
+  }
   backward_done_ = true;
 }
 
@@ -398,8 +405,9 @@ void ScaledLoss::finish() {
 namespace {
 
 // O1-O3 on a CPU without bf16/fp16 matrix instructions: LibTorch multiplies the half dtype in a
-// scalar loop there (1.1 GFLOP/s against 63 for fp32 on an AVX2 Zen 3), and the step runs tens of
-// times slower than at O0. Said at each such initialize; decided from the CPU's features.
+// scalar loop there (1.1 GFLOP/s against 63 for fp32 on an AVX2 Zen 3). apex computes those
+// matmuls through fp32 instead (cpu_half.h); only with that turned off does the step run tens of
+// times slower than at O0, and each such initialize says so. Decided from the CPU's features.
 void warn_if_half_matmuls_are_slow(const detail::AmpState& st) {
   const auto& p = st.props;
   const bool cast = p.cast_model_type && *p.cast_model_type != at::kFloat;
@@ -410,11 +418,12 @@ void warn_if_half_matmuls_are_slow(const detail::AmpState& st) {
   }
   if (!on_cpu) return;
   const c10::ScalarType t = cast ? *p.cast_model_type : p.half_dtype;
-  if (!cpu_half_matmul_is_fast(t)) {
+  if (!cpu_half_matmul_is_fast(t) && !cpu_half_fallback_available()) {
     TORCH_WARN("apex::amp: ", to_string(p.opt_level), " computes matmuls in ", t,
                ", which LibTorch multiplies in a scalar loop on this CPU (it has fast ones only "
-               "with AVX-512, AVX512-BF16, AVX512-FP16 or AMX), so training will be slower than "
-               "at O0 here");
+               "with AVX-512, AVX512-BF16, AVX512-FP16 or AMX), and APEX_CPU_HALF_FALLBACK=0 "
+               "turns off apex's fp32 route for them, so training will be tens of times slower "
+               "than at O0 here");
   }
 }
 
@@ -540,6 +549,12 @@ Amp::Amp(Amp&&) noexcept = default;
 Amp& Amp::operator=(Amp&&) noexcept = default;
 
 const Properties& Amp::properties() const { return state_->props; }
+
+bool Amp::computes_in_half() const {
+  const auto& p = state_->props;
+  return p.enabled &&
+         (p.patch_torch_functions || (p.cast_model_type && *p.cast_model_type != at::kFloat));
+}
 
 bool Amp::autocast_enabled() const {
   return state_->props.enabled && state_->props.patch_torch_functions;

@@ -28,6 +28,7 @@ AutocastGuard::AutocastGuard(c10::DeviceType device, std::optional<c10::ScalarTy
   at::autocast::set_autocast_dtype(device_, dtype_);
   at::autocast::increment_nesting();
   at::autocast::set_autocast_cache_enabled(cache_enabled.value_or(prev_cache_enabled_));
+  if (enabled_ && device_ == c10::kCPU) half_fallback_.emplace(true);
 }
 
 AutocastGuard::~AutocastGuard() {

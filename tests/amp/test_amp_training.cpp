@@ -1,5 +1,6 @@
 #include "amp_test_util.h"
 
+#include <apex/amp/cpu_half.h>
 #include <apex/amp/utils.h>
 
 #include <chrono>
@@ -372,5 +373,9 @@ TEST(AmpCpu, HalfMatmulDecisionFollowsCpuFlags) {
   for (const auto& m : capture.messages) {
     warned = warned || m.find("O2 computes matmuls in BFloat16") != std::string::npos;
   }
-  EXPECT_EQ(warned, !bf16_fast);
+  // Warned only where nothing makes the half dtype fast: neither the CPU nor apex's fp32 route
+  // (on unless APEX_CPU_HALF_FALLBACK=0).
+  EXPECT_EQ(warned, !bf16_fast && !apex::amp::cpu_half_fallback_available());
+  EXPECT_EQ(apex::amp::cpu_half_fallback_available(),
+            !bf16_fast && std::getenv("APEX_CPU_HALF_FALLBACK") == nullptr);
 }

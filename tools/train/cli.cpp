@@ -1,5 +1,6 @@
 #include "train/cli.h"
 
+#include <apex/amp/cpu_half.h>
 #include <apex/amp/utils.h>
 #include <c10/util/Exception.h>
 
@@ -254,18 +255,22 @@ Cli parse_cli(const std::vector<std::string>& args) {
               "data-parallel, run apex-train --nproc N --compare ...)");
   if (!level_set && cli.compare.empty()) {
     cli.compare = {"O0", "O1", "O2"};
-    // On a CPU where LibTorch multiplies the half dtype in a scalar loop, O1 and O2 would take an
-    // hour where O0 takes minutes: the default then runs O0 alone and says why.
-    // (Decided from cpuid, never from a timing: a busy machine once made a timing misjudge.)
+    // On a CPU where LibTorch multiplies the half dtype in a scalar loop, apex::amp computes
+    // half matmuls through fp32 (apex/amp/cpu_half.h). Only with that turned off
+    // (APEX_CPU_HALF_FALLBACK=0) would O1 and O2 take an hour where O0 takes minutes: the default
+    // then runs O0 alone and says why. (Decided from cpuid, never from a timing: a busy machine
+    // once made a timing misjudge.)
     if (o.device.is_cpu() && !cli.help) {
-      if (!apex::amp::cpu_half_matmul_is_fast(o.half_dtype)) {
+      if (!apex::amp::cpu_half_matmul_is_fast(o.half_dtype) &&
+          !apex::amp::cpu_half_fallback_available()) {
         cli.compare = {"O0"};
         std::ostringstream note;
         note << "apex-train: O1 and O2 left out of the default comparison: LibTorch multiplies "
              << (o.half_dtype == c10::kBFloat16 ? "bf16" : "fp16")
              << " matrices in a scalar loop on this CPU (it has fast ones only with AVX-512, "
-                "AVX512-BF16, AVX512-FP16 or AMX), so they would train tens of times slower than "
-                "O0; --compare O0,O1,O2 runs them anyway";
+                "AVX512-BF16, AVX512-FP16 or AMX) and APEX_CPU_HALF_FALLBACK=0 turns off apex's "
+                "fp32 route, so they would train tens of times slower than O0; --compare "
+                "O0,O1,O2 runs them anyway";
         cli.note = note.str();
       }
     }

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <apex/amp/cpu_half.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 
@@ -44,6 +45,8 @@ class AutocastGuard {
   bool prev_enabled_;
   c10::ScalarType prev_dtype_;
   bool prev_cache_enabled_;
+  // On the CPU, where LibTorch's half matmuls are slow, they run through fp32 in this region.
+  std::optional<CpuHalfFallbackGuard> half_fallback_;
 };
 
 /// Whether autocast is currently enabled for `device` on this thread.

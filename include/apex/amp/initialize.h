@@ -62,6 +62,8 @@ class Amp {
     if (autocast_enabled()) {
       guard.emplace(device_type_of(*module), properties().half_dtype, true);
     }
+    // Half matmuls through fp32 on CPUs without fast ones (a no-op elsewhere).
+    const CpuHalfFallbackGuard half_fallback(computes_in_half());
     return cast_output(module->forward(cast_input(std::forward<Args>(args))...));
   }
 
@@ -108,6 +110,8 @@ class Amp {
 
  private:
   bool autocast_enabled() const;
+  /// O1-O3: some ops run in the half dtype (autocast, or a model cast to it).
+  bool computes_in_half() const;
   static c10::DeviceType device_type_of(const torch::nn::Module& module);
   at::Tensor cast_tensor(const at::Tensor& t, c10::ScalarType dtype) const;
 

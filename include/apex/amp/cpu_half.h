@@ -1,0 +1,48 @@
+#pragma once
+
+// Half-precision matrix products on CPUs where LibTorch has no fast ones (AVX2-only x86: it runs
+// bf16/fp16 matmuls in a scalar loop there, ~35x slower than fp32): computed by LibTorch's fp32
+// kernels on the inputs widened exactly, the result rounded once to the half dtype, within a
+// scope. apex::amp turns the scope on by itself (Amp::forward, scaled-loss backward, AutocastGuard
+// on the CPU); code that casts its model itself uses CpuHalfFallbackGuard.
+
+#include <optional>
+
+namespace apex::amp {
+
+/// Whether the fallback applies in this process: LibTorch's half matmuls are slow on this CPU
+/// (cpu_half_matmul_is_fast(bf16) is false: decided from cpuid) and $APEX_CPU_HALF_FALLBACK is
+/// not "0". Decided once per process.
+bool cpu_half_fallback_available();
+
+/// Whether it is on now, in this thread (a CpuHalfFallbackGuard that enabled it is alive).
+bool cpu_half_fallback_active();
+
+/// In this thread, while it lives: bf16 and fp16 mm, addmm, bmm, baddbmm (so linear and matmul),
+/// convolution (forward and backward) and the CPU flash attention (forward and backward) on CPU
+/// tensors run as LibTorch's fp32 kernels on exactly widened inputs, outputs rounded to the half
+/// dtype (so at least as accurate as LibTorch's half kernels, which also accumulate in fp32, and
+/// bit-identical between runs). Nested guards are fine; fp32/fp64 ops, CUDA tensors and mixed
+/// dtypes go to LibTorch's own kernels unchanged, and where the fallback is not available the
+/// guard does nothing.
+///
+///   model->to(at::kBFloat16);
+///   { apex::amp::CpuHalfFallbackGuard fast; loss = loss_fn(model->forward(x), y); loss.backward();
+///   }
+class CpuHalfFallbackGuard {
+ public:
+  explicit CpuHalfFallbackGuard(bool enabled = true);
+  ~CpuHalfFallbackGuard();
+  CpuHalfFallbackGuard(const CpuHalfFallbackGuard&) = delete;
+  CpuHalfFallbackGuard& operator=(const CpuHalfFallbackGuard&) = delete;
+
+ private:
+  bool counted_;
+};
+
+namespace detail {
+/// Tests only: decide availability as `forced` (nullopt: from the CPU and the environment again).
+void force_cpu_half_fallback_available(std::optional<bool> forced);
+}  // namespace detail
+
+}  // namespace apex::amp

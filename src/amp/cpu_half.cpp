@@ -1,0 +1,204 @@
+// The CPU half-precision fallback (apex/amp/cpu_half.h): CPU-key kernels for the matrix-product
+// ops, registered once on first use, that compute through fp32 while a guard is active in the
+// calling thread and otherwise call LibTorch's own CPU kernel (at::cpu::*, the kernel the
+// dispatcher had) unchanged.
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward_cpu_dispatch.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_cpu_dispatch.h>
+#include <ATen/ops/addmm_cpu_dispatch.h>
+#include <ATen/ops/baddbmm_cpu_dispatch.h>
+#include <ATen/ops/bmm_cpu_dispatch.h>
+#include <ATen/ops/convolution_backward_compositeexplicitautograd_dispatch.h>
+#include <ATen/ops/convolution_compositeexplicitautograd_dispatch.h>
+#include <ATen/ops/mm_cpu_dispatch.h>
+#include <apex/amp/cpu_half.h>
+#include <apex/amp/utils.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+namespace apex::amp {
+namespace {
+
+thread_local int active_depth = 0;
+std::atomic<int> forced{-1};  // -1: decide; 0/1: tests' choice
+
+bool decide() {
+  const char* env = std::getenv("APEX_CPU_HALF_FALLBACK");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+  return !cpu_half_matmul_is_fast(at::kBFloat16);
+}
+
+bool is_half(const at::Tensor& t) {
+  return t.defined() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf);
+}
+
+// Every tensor defined, on the CPU, of one half dtype: the calls the fallback takes.
+bool take(std::initializer_list<const at::Tensor*> ts) {
+  if (active_depth == 0) return false;
+  std::optional<at::ScalarType> dtype;
+  for (const at::Tensor* t : ts) {
+    if (!t->defined()) continue;
+    if (!is_half(*t) || !t->device().is_cpu()) return false;
+    if (dtype && *dtype != t->scalar_type()) return false;
+    dtype = t->scalar_type();
+  }
+  return dtype.has_value();
+}
+
+at::Tensor wide(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : t; }
+
+at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
+  if (!take({&a, &b})) return at::cpu::mm(a, b);
+  return at::cpu::mm(wide(a), wide(b)).to(a.scalar_type());
+}
+
+at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
+  if (!take({&a, &b})) return at::cpu::bmm(a, b);
+  return at::cpu::bmm(wide(a), wide(b)).to(a.scalar_type());
+}
+
+at::Tensor addmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
+                 const at::Scalar& beta, const at::Scalar& alpha) {
+  if (!take({&self, &a, &b})) return at::cpu::addmm(self, a, b, beta, alpha);
+  return at::cpu::addmm(wide(self), wide(a), wide(b), beta, alpha).to(a.scalar_type());
+}
+
+at::Tensor baddbmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
+                   const at::Scalar& beta, const at::Scalar& alpha) {
+  if (!take({&self, &a, &b})) return at::cpu::baddbmm(self, a, b, beta, alpha);
+  return at::cpu::baddbmm(wide(self), wide(a), wide(b), beta, alpha).to(a.scalar_type());
+}
+
+at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
+                       c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool transposed,
+                       c10::SymIntArrayRef output_padding, c10::SymInt groups) {
+  const at::Tensor b = bias.value_or(at::Tensor());
+  if (!take({&input, &weight, &b})) {
+    return at::compositeexplicitautograd::convolution_symint(
+        input, weight, bias, stride, padding, dilation, transposed, output_padding, groups);
+  }
+  const std::optional<at::Tensor> wb = b.defined() ? std::optional<at::Tensor>(wide(b)) : bias;
+  return at::compositeexplicitautograd::convolution_symint(wide(input), wide(weight), wb, stride,
+                                                           padding, dilation, transposed,
+                                                           output_padding, groups)
+      .to(input.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    at::OptionalSymIntArrayRef bias_sizes, c10::SymIntArrayRef stride, c10::SymIntArrayRef padding,
+    c10::SymIntArrayRef dilation, bool transposed, c10::SymIntArrayRef output_padding,
+    c10::SymInt groups, std::array<bool, 3> output_mask) {
+  if (!take({&grad_output, &input, &weight})) {
+    return at::compositeexplicitautograd::convolution_backward_symint(
+        grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+        output_padding, groups, output_mask);
+  }
+  auto [gi, gw, gb] = at::compositeexplicitautograd::convolution_backward_symint(
+      wide(grad_output), wide(input), wide(weight), bias_sizes, stride, padding, dilation,
+      transposed, output_padding, groups, output_mask);
+  const auto t = input.scalar_type();
+  return {gi.defined() ? gi.to(t) : gi, gw.defined() ? gw.to(t) : gw, gb.defined() ? gb.to(t) : gb};
+}
+
+std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& v, double dropout_p,
+                                                   bool is_causal,
+                                                   const std::optional<at::Tensor>& attn_mask,
+                                                   std::optional<double> scale) {
+  const at::Tensor m = attn_mask.value_or(at::Tensor());
+  if (!take({&q, &k, &v}) || (m.defined() && m.is_floating_point() && !is_half(m))) {
+    return at::cpu::_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
+                                                                attn_mask, scale);
+  }
+  const std::optional<at::Tensor> wm =
+      m.defined() && m.is_floating_point() ? std::optional<at::Tensor>(wide(m)) : attn_mask;
+  auto [out, lse] = at::cpu::_scaled_dot_product_flash_attention_for_cpu(
+      wide(q), wide(k), wide(v), dropout_p, is_causal, wm, scale);
+  return {out.to(q.scalar_type()), lse};  // logsumexp is fp32 for half inputs too
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& logsumexp, double dropout_p, bool is_causal,
+    const std::optional<at::Tensor>& attn_mask, std::optional<double> scale) {
+  const at::Tensor m = attn_mask.value_or(at::Tensor());
+  if (!take({&grad_out, &q, &k, &v, &out}) ||
+      (m.defined() && m.is_floating_point() && !is_half(m))) {
+    return at::cpu::_scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask, scale);
+  }
+  const std::optional<at::Tensor> wm =
+      m.defined() && m.is_floating_point() ? std::optional<at::Tensor>(wide(m)) : attn_mask;
+  auto [gq, gk, gv] = at::cpu::_scaled_dot_product_flash_attention_for_cpu_backward(
+      wide(grad_out), wide(q), wide(k), wide(v), wide(out), logsumexp, dropout_p, is_causal, wm,
+      scale);
+  const auto t = q.scalar_type();
+  return {gq.to(t), gk.to(t), gv.to(t)};
+}
+
+// Our CPU kernels replace the dispatcher's for these ops; the dispatcher says so once per op
+// with a warning that is no news to anyone here.
+struct QuietRegistration : c10::WarningHandler {
+  c10::WarningHandler* outer = c10::WarningUtils::get_warning_handler();
+  void process(const c10::Warning& w) override {
+    if (w.msg().find("Overriding a previously registered kernel") == std::string::npos) {
+      outer->process(w);
+    }
+  }
+};
+
+void register_kernels() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    QuietRegistration quiet;
+    const c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+    // Lives as long as the process: the kernels check the thread's guard depth themselves.
+    static auto* lib =
+        new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::CPU, __FILE__, __LINE__);
+    lib->impl("mm", TORCH_FN(mm));
+    lib->impl("bmm", TORCH_FN(bmm));
+    lib->impl("addmm", TORCH_FN(addmm));
+    lib->impl("baddbmm", TORCH_FN(baddbmm));
+    lib->impl("convolution", TORCH_FN(convolution));
+    lib->impl("convolution_backward", TORCH_FN(convolution_backward));
+    lib->impl("_scaled_dot_product_flash_attention_for_cpu", TORCH_FN(flash_attention));
+    lib->impl("_scaled_dot_product_flash_attention_for_cpu_backward",
+              TORCH_FN(flash_attention_backward));
+  });
+}
+
+}  // namespace
+
+bool cpu_half_fallback_available() {
+  const int f = forced.load();
+  if (f >= 0) return f == 1;
+  static const bool available = decide();
+  return available;
+}
+
+bool cpu_half_fallback_active() { return active_depth > 0; }
+
+CpuHalfFallbackGuard::CpuHalfFallbackGuard(bool enabled)
+    : counted_(enabled && cpu_half_fallback_available()) {
+  if (!counted_) return;
+  register_kernels();
+  ++active_depth;
+}
+
+CpuHalfFallbackGuard::~CpuHalfFallbackGuard() {
+  if (counted_) --active_depth;
+}
+
+namespace detail {
+void force_cpu_half_fallback_available(std::optional<bool> value) {
+  forced.store(value.has_value() ? (*value ? 1 : 0) : -1);
+}
+}  // namespace detail
+
+}  // namespace apex::amp
