@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_peer import ResNet, Transformer  # noqa: E402
+from train_peer import model_and_inputs  # noqa: E402
 
 
 def run(rank, a, init_file, out):
@@ -30,14 +30,7 @@ def run(rank, a, init_file, out):
         dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
                                 world_size=a.world)
     torch.manual_seed(0)
-    if a.model == "transformer":
-        model = Transformer()
-        make = lambda g: torch.randint(0, 64, (a.batch_size, 64), generator=g)
-        classes = 4
-    else:
-        model = ResNet()
-        make = lambda g: torch.randn(a.batch_size, 1, 32, 32, generator=g)
-        classes = 10
+    model, make, classes = model_and_inputs(a.model, a.batch_size)
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)

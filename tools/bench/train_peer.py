@@ -90,6 +90,13 @@ class ResNet(nn.Module):
         return self.classifier(self.blocks(x).mean((2, 3)))
 
 
+def model_and_inputs(name, batch_size):
+    """The model, a function drawing one batch of inputs from a generator, and the classes."""
+    if name == "transformer":
+        return Transformer(), lambda g: torch.randint(0, 64, (batch_size, 64), generator=g), 4
+    return ResNet(), lambda g: torch.randn(batch_size, 1, 32, 32, generator=g), 10
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=["transformer", "resnet"], default="transformer")
@@ -103,14 +110,7 @@ def main():
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    if a.model == "transformer":
-        model = Transformer()
-        make = lambda g: torch.randint(0, 64, (a.batch_size, 64), generator=g)
-        classes = 4
-    else:
-        model = ResNet()
-        make = lambda g: torch.randn(a.batch_size, 1, 32, 32, generator=g)
-        classes = 10
+    model, make, classes = model_and_inputs(a.model, a.batch_size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
     half = torch.bfloat16 if a.dtype == "bf16" else torch.float16
     scaler = torch.amp.GradScaler("cpu", enabled=a.mode == "autocast")
