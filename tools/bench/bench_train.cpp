@@ -2,6 +2,7 @@
 // at O0/O1/O2, against the same models in Python PyTorch (tools/bench/train_peer.py: autocast +
 // GradScaler + AdamW(fused=True)) timed in the same run on the same threads.
 #include <ATen/Parallel.h>
+#include <apex/amp/utils.h>
 #include <c10/util/Exception.h>
 
 #include <cstdio>
@@ -22,11 +23,12 @@ struct Peer {
   double autocast = 0;
 };
 
-double python_run(const std::string& model, const std::string& mode, int64_t steps, int threads) {
+double python_run(const std::string& model, const std::string& mode, int64_t steps, int threads,
+                  int64_t warmup = 5) {
   const std::string cmd = std::string(APEX_PYTHON) + " " + APEX_SOURCE_DIR +
                           "/tools/bench/train_peer.py --model " + model + " --mode " + mode +
-                          " --steps " + std::to_string(steps) + " --threads " +
-                          std::to_string(threads);
+                          " --steps " + std::to_string(steps) + " --warmup " +
+                          std::to_string(warmup) + " --threads " + std::to_string(threads);
   FILE* p = popen(cmd.c_str(), "r");
   TORCH_CHECK(p != nullptr, "apex-bench: cannot run ", cmd);
   std::string out;
@@ -63,7 +65,17 @@ int run_train(const Config& cfg) {
     Peer peer;
     const int64_t peer_steps = std::max<int64_t>(20, cfg.repeats * 4);
     peer.fp32 = python_run(c.model, "fp32", peer_steps, threads);
-    peer.autocast = python_run(c.model, "autocast", peer_steps, threads);
+    // Where LibTorch's half matmuls are a scalar loop (cpuid), Python's autocast runs tens of
+    // times slower than fp32: a few steps measure it in bounded time.
+    const bool slow_half = !apex::amp::cpu_half_matmul_is_fast(c10::kBFloat16);
+    if (slow_half) {
+      std::printf(
+          "(%s: Python autocast timed on 3 steps after 1: LibTorch's bf16 matmuls are a "
+          "scalar loop on this CPU)\n",
+          c.model.c_str());
+    }
+    peer.autocast = slow_half ? python_run(c.model, "autocast", 3, threads, 1)
+                              : python_run(c.model, "autocast", peer_steps, threads);
     double o0 = 0;
     for (const std::string level : {"O0", "O1", "O2"}) {
       apex::train::TrainOptions o = cli.train;
