@@ -54,8 +54,10 @@ struct BatchNormBackwardReduceArgs {
   DType dy_dtype = DType::kFloat32;
   const void* x = nullptr;
   const void* dy = nullptr;
-  const float* mean = nullptr;  ///< [channels]
-  double* sum_dy = nullptr;     ///< [channels]
+  /// [channels], in fp64: sum dy * (x - mean) cancels, and an fp32 mean's rounding error times
+  /// sum dy would stand out of it.
+  const double* mean = nullptr;
+  double* sum_dy = nullptr;  ///< [channels]
   double* sum_dy_xmu = nullptr;
 };
 

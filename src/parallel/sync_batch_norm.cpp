@@ -133,6 +133,7 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
 
     ctx->save_for_backward({x, weight});
     ctx->saved_data["mean"] = mean_f;
+    ctx->saved_data["mean64"] = at::from_blob(mean.data(), {C}, dbl).clone();
     ctx->saved_data["invstd"] = invstd_f;
     ctx->saved_data["total"] = total;
     ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupCapsule>(group));
@@ -145,6 +146,7 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     const at::Tensor& x = saved[0];
     const at::Tensor& weight = saved[1];
     const at::Tensor mean = ctx->saved_data["mean"].toTensor();
+    const at::Tensor mean64 = ctx->saved_data["mean64"].toTensor();
     const at::Tensor invstd = ctx->saved_data["invstd"].toTensor();
     const double total = ctx->saved_data["total"].toDouble();
     const auto capsule = ctx->saved_data["group"].toCapsule();
@@ -159,7 +161,7 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     ra.dy_dtype = optim::detail::kernel_dtype(dy, kWho);
     ra.x = x.data_ptr();
     ra.dy = dy.data_ptr();
-    ra.mean = mean.data_ptr<float>();
+    ra.mean = mean64.data_ptr<double>();
     ra.sum_dy = sums.data_ptr<double>();
     ra.sum_dy_xmu = sums.data_ptr<double>() + C;
     kernels::cpu::batch_norm_backward_reduce(ra);

@@ -231,7 +231,7 @@ void batch_norm_backward_reduce(const BatchNormBackwardReduceArgs& a) {
       std::vector<float> xb(kBlock), gb(kBlock);
       for (int64_t c = c0; c < c1; ++c) {
         double sd = 0, sdx = 0;
-        const float m = a.mean[c];
+        const double m = a.mean[c];
         for (int64_t o = 0; o < s.outer; ++o) {
           const int64_t run = (o * C + c) * s.inner;
           for (int64_t i = 0; i < s.inner; i += kBlock) {
