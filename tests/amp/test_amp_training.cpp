@@ -376,6 +376,7 @@ TEST(AmpCpu, HalfMatmulDecisionFollowsCpuFlags) {
   // Warned only where nothing makes the half dtype fast: neither the CPU nor apex's fp32 route
   // (on unless APEX_CPU_HALF_FALLBACK=0).
   EXPECT_EQ(warned, !bf16_fast && !apex::amp::cpu_half_fallback_available());
+  const char* env = std::getenv("APEX_CPU_HALF_FALLBACK");
   EXPECT_EQ(apex::amp::cpu_half_fallback_available(),
-            !bf16_fast && std::getenv("APEX_CPU_HALF_FALLBACK") == nullptr);
+            !bf16_fast && (env == nullptr || std::string(env) != "0"));
 }

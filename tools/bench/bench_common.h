@@ -17,8 +17,8 @@ struct Config {
   c10::Device device = c10::kCPU;
   int warmup = 2;
   int repeats = 10;
-  int threads = 0;  // 0: LibTorch's default
-  std::string json = "apex-bench.json";
+  int threads = 0;                // 0: LibTorch's default
+  std::string json;               ///< --json FILE; empty: no JSON written
   std::vector<std::string> only;  // model / case filter, empty = all
 };
 
