@@ -13,6 +13,8 @@
 #include <limits>
 #include <unordered_set>
 
+#include "parallel/errors.h"
+
 namespace apex::parallel::detail {
 namespace {
 
@@ -20,9 +22,19 @@ constexpr const char* kWho = "apex::parallel::DistributedDataParallel";
 // Rank 0's parameters and buffers reach the others in pieces of this many bytes (torch's).
 constexpr size_t kBroadcastBucketBytes = 250u << 20;
 
-std::string message_of(const std::exception& e) {
-  const auto* c = dynamic_cast<const c10::Error*>(&e);
-  return c != nullptr ? c->what_without_backtrace() : e.what();
+// Rank 0's values of `tensors` on every rank (detached: the Reducer's hooks must not see it).
+void broadcast_from_rank0(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                          const std::vector<at::Tensor>& tensors, const char* what, int64_t rank) {
+  const torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> detached;
+  detached.reserve(tensors.size());
+  for (const auto& t : tensors) detached.push_back(t.detach());
+  try {
+    c10d::broadcast_coalesced(pg, detached, kBroadcastBucketBytes, 0);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, kWho, ": broadcasting rank 0's ", what, " failed on rank ", rank, ": ",
+                message_of(e));
+  }
 }
 
 // The Reducer's constructor changes between torch minors; this is the one place that calls it.
@@ -183,16 +195,9 @@ DdpEngine::DdpEngine(torch::nn::Module& module, ProcessGroup group,
       TORCH_CHECK(false, kWho, ": the ranks hold different models (rank ", group_.rank(),
                   "): ", message_of(e));
     }
-    std::vector<at::Tensor> state;
-    const torch::NoGradGuard no_grad;
-    for (const auto& p : s.params) state.push_back(p.detach());
-    for (const auto& b : s.buffers) state.push_back(b.detach());
-    try {
-      c10d::broadcast_coalesced(s.pg, state, kBroadcastBucketBytes, 0);
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, kWho, ": broadcasting rank 0's parameters failed on rank ", group_.rank(),
-                  ": ", message_of(e));
-    }
+    std::vector<at::Tensor> state = s.params;
+    state.insert(state.end(), s.buffers.begin(), s.buffers.end());
+    broadcast_from_rank0(s.pg, state, "parameters", group_.rank());
   }
 
   const auto mib = [](double m) { return static_cast<int64_t>(std::min(m * 1048576.0, 9.0e18)); };
@@ -271,15 +276,7 @@ void DdpEngine::pre_forward() {
   if (grad) s.reducer->rebuild_buckets();
   if (s.require_forward_param_sync && options_.broadcast_buffers() && !s.buffers.empty() &&
       group_.size() > 1) {
-    const torch::NoGradGuard no_grad;
-    std::vector<at::Tensor> bufs;
-    for (const auto& b : s.buffers) bufs.push_back(b.detach());
-    try {
-      c10d::broadcast_coalesced(s.pg, bufs, kBroadcastBucketBytes, 0);
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, kWho, ": broadcasting rank 0's buffers failed on rank ", group_.rank(),
-                  ": ", message_of(e));
-    }
+    broadcast_from_rank0(s.pg, s.buffers, "buffers", group_.rank());
   }
 }
 

@@ -17,10 +17,13 @@
 #include <mutex>
 
 #include "parallel/backends.h"
+#include "parallel/errors.h"
 #include "parallel/process_group_state.h"
 
 namespace apex::parallel {
 namespace {
+
+using detail::message_of;
 
 std::optional<std::string> env(const char* name) {
   const char* v = std::getenv(name);
@@ -70,11 +73,6 @@ int listen_on(const std::string& host, int port) {
   TORCH_CHECK(false, "apex::parallel::init_process_group: rank 0 cannot listen on ", host, ":",
               port, " for the store: ", why,
               " (another job on this port? pick a free MASTER_PORT)");
-}
-
-std::string message_of(const std::exception& e) {
-  const auto* c = dynamic_cast<const c10::Error*>(&e);
-  return c != nullptr ? c->what_without_backtrace() : e.what();
 }
 
 std::mutex default_mutex;

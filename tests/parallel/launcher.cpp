@@ -1,11 +1,10 @@
 #include "launcher.h"
 
-#include <arpa/inet.h>
+#include "train/net.h"
+
 #include <fcntl.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -38,24 +37,8 @@ RegisterWorker::RegisterWorker(const std::string& name, Worker w) {
   registry()[name] = std::move(w);
 }
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
-    ::close(fd);
-    return 0;
-  }
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
 std::vector<RankResult> launch(const std::string& worker, const LaunchOptions& o) {
-  const int port = free_port();
+  const int port = apex::train::free_loopback_port("apex::test::launch");
   std::vector<int> ranks = o.ranks;
   if (ranks.empty()) {
     for (int r = 0; r < o.world; ++r) ranks.push_back(r);
@@ -138,6 +121,11 @@ std::vector<RankResult> launch(const std::string& worker, const LaunchOptions& o
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
   return results;
+}
+
+at::Tensor randn_seeded(at::IntArrayRef sizes, uint64_t seed) {
+  auto gen = at::detail::createCPUGenerator(seed);
+  return at::randn(sizes, gen);
 }
 
 std::string describe(const std::vector<RankResult>& results) {

@@ -4,6 +4,9 @@
 // the worker function), on 127.0.0.1 only, and waits for them with a deadline. A worker that
 // cannot start, crashes or outlives the deadline fails the test; nothing is skipped.
 
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <string>
@@ -39,11 +42,12 @@ struct LaunchOptions {
 /// Starts the ranks of `worker` and waits for them (killing all at the deadline).
 std::vector<RankResult> launch(const std::string& worker, const LaunchOptions& options);
 
-/// A TCP port on 127.0.0.1 that was free a moment ago.
-int free_port();
-
 /// Runs the registered worker named by $APEX_TEST_WORKER; returns -1 when none is set.
 int run_worker_from_env();
+
+/// Normal values from a generator of their own (the global one's sequence stays untouched), the
+/// same on every rank.
+at::Tensor randn_seeded(at::IntArrayRef sizes, uint64_t seed);
 
 /// "rank r (exit e, t s): <output>" for every rank, for failure messages.
 std::string describe(const std::vector<RankResult>& results);

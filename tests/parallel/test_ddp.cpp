@@ -20,6 +20,7 @@ namespace ap = apex::parallel;
 using apex::test::all_close;
 using apex::test::launch;
 using apex::test::LaunchOptions;
+using apex::test::randn_seeded;
 using apex::test::RegisterWorker;
 using apex::test::tolerance_for;
 
@@ -39,11 +40,6 @@ std::string get(const std::map<std::string, std::string>& m, const std::string& 
                 const std::string& d) {
   const auto it = m.find(k);
   return it == m.end() ? d : it->second;
-}
-
-at::Tensor randn_seeded(at::IntArrayRef sizes, uint64_t seed) {
-  auto gen = at::detail::createCPUGenerator(seed);
-  return at::randn(sizes, gen);
 }
 
 // The models: an MLP, a CNN with BatchNorm (SyncBatchNorm under DDP) and apex-train's

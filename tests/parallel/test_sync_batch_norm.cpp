@@ -14,15 +14,11 @@ namespace ap = apex::parallel;
 using apex::test::all_close;
 using apex::test::launch;
 using apex::test::LaunchOptions;
+using apex::test::randn_seeded;
 using apex::test::RegisterWorker;
 using apex::test::tolerance_for;
 
 namespace {
-
-at::Tensor seeded(at::IntArrayRef sizes, uint64_t seed) {
-  auto gen = at::detail::createCPUGenerator(seed);
-  return at::randn(sizes, gen);
-}
 
 std::vector<int64_t> parse_sizes(const std::string& s) {
   std::vector<int64_t> out;
@@ -57,11 +53,11 @@ constexpr int64_t kC = 5;
 at::Tensor global_input(const Case& c, int64_t n, uint64_t seed) {
   at::Tensor x;
   if (c.layout == "2d") {
-    x = seeded({n, kC}, seed);
+    x = randn_seeded({n, kC}, seed);
   } else if (c.layout == "3d") {
-    x = seeded({n, kC, 7}, seed);
+    x = randn_seeded({n, kC, 7}, seed);
   } else {
-    x = seeded({n, kC, 3, 4}, seed);
+    x = randn_seeded({n, kC, 3, 4}, seed);
   }
   // Off-centre values: a mean far from zero checks the Welford merge.
   return (x * 2 + 3).to(c.dtype).to(at::kFloat);  // exactly representable in the dtype
@@ -88,8 +84,8 @@ int syncbn(int rank, int world, const std::string& arg) {
   ref->to(at::kDouble);
   if (c.affine) {
     const torch::NoGradGuard no_grad;
-    bn->weight.copy_(seeded({kC}, 9) + 1);
-    bn->bias.copy_(seeded({kC}, 10));
+    bn->weight.copy_(randn_seeded({kC}, 9) + 1);
+    bn->bias.copy_(randn_seeded({kC}, 10));
     ref->weight.copy_(bn->weight);
     ref->bias.copy_(bn->bias);
   }
@@ -105,7 +101,7 @@ int syncbn(int rank, int world, const std::string& arg) {
   for (int step = 0; step < 3; ++step) {
     const at::Tensor X = global_input(c, total, 100 + step);
     // dy reaches the half-precision output rounded to its dtype: make it exact there.
-    const at::Tensor G = seeded(X.sizes(), 200 + step).to(c.dtype).to(at::kFloat);
+    const at::Tensor G = randn_seeded(X.sizes(), 200 + step).to(c.dtype).to(at::kFloat);
     // Reference on the whole batch, in float64.
     at::Tensor xr = X.to(at::kDouble).requires_grad_();
     at::Tensor yr = at::batch_norm(xr, ref->weight, ref->bias, ref->running_mean, ref->running_var,

@@ -162,6 +162,16 @@ bool selected(const Config& cfg, const std::string& name) {
   return cfg.only.empty() || std::find(cfg.only.begin(), cfg.only.end(), name) != cfg.only.end();
 }
 
+std::string run_peer(const std::string& command) {
+  FILE* p = popen(command.c_str(), "r");
+  TORCH_CHECK(p != nullptr, "apex-bench: cannot run ", command);
+  std::string out;
+  char buf[512];
+  while (std::fgets(buf, sizeof(buf), p) != nullptr) out += buf;
+  TORCH_CHECK(pclose(p) == 0, "apex-bench: the Python peer failed: ", command, "\n", out);
+  return out;
+}
+
 void report(const Config& cfg, const std::string& area, const std::vector<Row>& rows) {
   const int threads = at::get_num_threads();
   std::printf("\napex-bench %s  device=%s threads=%d cpu_isa=%s\n", area.c_str(),

@@ -91,6 +91,10 @@ void report(const Config& cfg, const std::string& area, const std::vector<Row>& 
 /// True when `name` passes cfg.only.
 bool selected(const Config& cfg, const std::string& name);
 
+/// Runs a peer's command line (a Python script) and returns what it printed; throws c10::Error
+/// with the command and its output when it fails.
+std::string run_peer(const std::string& command);
+
 int run_optim(const Config& cfg);
 int run_norm(const Config& cfg);
 int run_train(const Config& cfg);

@@ -5,10 +5,7 @@
 // (tools/bench/ddp_peer.py). The machine's limit is N plain single-rank jobs run side by side
 // (they share its memory and caches as the ranks do). Ranks are copies of this program
 // ("apex-bench ddp-rank", hidden).
-#include <arpa/inet.h>
 #include <c10/util/Exception.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -23,6 +20,7 @@
 #include "train/cli.h"
 #include "train/data.h"
 #include "train/json.h"
+#include "train/net.h"
 #include "train/trainer.h"
 
 namespace apex::bench {
@@ -35,20 +33,6 @@ std::string read_text(const fs::path& p) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-// A TCP port on 127.0.0.1 that was free a moment ago.
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  const bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
-  if (fd >= 0) ::close(fd);
-  TORCH_CHECK(ok, "apex-bench ddp: no free port on 127.0.0.1");
-  return ntohs(a.sin_port);
-}
-
 // apex-train's run of `model` in `world` ranks (0: no DDP), rank 0's summary. With `independent`
 // > 0: that many plain processes at once, no DDP (the machine's limit for weak scaling: what
 // `independent` single-rank jobs achieve side by side); their samples/s summed.
@@ -56,7 +40,7 @@ apex::train::Summary apex_run(const std::string& model, int world, int64_t steps
                               const fs::path& work, int independent = 0) {
   const fs::path out = work / ("apex-" + model + "-" + std::to_string(world) + ".json");
   const int ranks = independent > 0 ? independent : std::max(1, world);
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(apex::train::free_loopback_port("apex-bench ddp"));
   std::vector<pid_t> pids;
   std::fflush(stdout);
   for (int r = 0; r < ranks; ++r) {
@@ -99,13 +83,7 @@ double python_run(const std::string& model, int world, int64_t steps) {
                           "/tools/bench/ddp_peer.py --model " + model + " --world " +
                           std::to_string(world) + " --steps " + std::to_string(steps) +
                           " --threads 1";
-  FILE* p = popen(cmd.c_str(), "r");
-  TORCH_CHECK(p != nullptr, "apex-bench: cannot run ", cmd);
-  std::string out;
-  char buf[512];
-  while (std::fgets(buf, sizeof(buf), p) != nullptr) out += buf;
-  TORCH_CHECK(pclose(p) == 0, "apex-bench: the Python DDP peer failed: ", cmd, "\n", out);
-  return apex::train::json::get_number(out, "samples_per_s");
+  return apex::train::json::get_number(run_peer(cmd), "samples_per_s");
 }
 
 }  // namespace

@@ -29,13 +29,7 @@ double python_run(const std::string& model, const std::string& mode, int64_t ste
                           "/tools/bench/train_peer.py --model " + model + " --mode " + mode +
                           " --steps " + std::to_string(steps) + " --warmup " +
                           std::to_string(warmup) + " --threads " + std::to_string(threads);
-  FILE* p = popen(cmd.c_str(), "r");
-  TORCH_CHECK(p != nullptr, "apex-bench: cannot run ", cmd);
-  std::string out;
-  char buf[512];
-  while (std::fgets(buf, sizeof(buf), p) != nullptr) out += buf;
-  TORCH_CHECK(pclose(p) == 0, "apex-bench: the Python peer failed: ", cmd, "\n", out);
-  return apex::train::json::get_number(out, "samples_per_s");
+  return apex::train::json::get_number(run_peer(cmd), "samples_per_s");
 }
 
 }  // namespace

@@ -1,10 +1,7 @@
 // apex-train: trains a model with apex-cpp's mixed precision, at one opt level or several side by
 // side (--compare), on built-in or real data. See `apex-train --help` and docs/train.md.
-#include <arpa/inet.h>
 #include <c10/util/Exception.h>
 #include <fcntl.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -23,6 +20,7 @@
 #include "train/data.h"
 #include "train/files.h"
 #include "train/json.h"
+#include "train/net.h"
 #include "train/report.h"
 
 namespace {
@@ -85,21 +83,6 @@ Summary run_child(const Cli& cli, const std::string& level, const fs::path& work
   return s;
 }
 
-// A TCP port on 127.0.0.1 that was free a moment ago, for --nproc's store.
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  TORCH_CHECK(fd >= 0, "apex-train: --nproc: cannot create a socket");
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
-  ::close(fd);
-  TORCH_CHECK(ok, "apex-train: --nproc: no free port on 127.0.0.1");
-  return ntohs(a.sin_port);
-}
-
 // --nproc N: starts N ranks of this program on 127.0.0.1 (each with --ddp and the environment
 // torchrun would give it), waits for them, and stops the rest soon after one fails.
 int run_ranks(const Cli& cli) {
@@ -119,7 +102,7 @@ int run_ranks(const Cli& cli) {
     const long cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
     args.insert(args.end(), {"--threads", std::to_string(std::max(1L, cores / cli.nproc))});
   }
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(apex::train::free_loopback_port("apex-train: --nproc"));
   std::fflush(stdout);
   std::fflush(stderr);
   std::vector<pid_t> pids;
