@@ -1,8 +1,8 @@
 #include <apex/amp/initialize.h>
 #include <apex/amp/utils.h>
 
-#include "../common/io.h"
-#include "unscale.h"
+#include "amp/unscale.h"
+#include "common/io.h"
 
 #include <ATen/ops/_foreach_copy.h>
 #include <ATen/ops/cat.h>

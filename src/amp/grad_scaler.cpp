@@ -1,7 +1,7 @@
 #include <apex/amp/grad_scaler.h>
 
-#include "../common/io.h"
-#include "unscale.h"
+#include "amp/unscale.h"
+#include "common/io.h"
 
 #include <ATen/ops/_amp_update_scale.h>
 #include <ATen/ops/full.h>

@@ -1,6 +1,6 @@
 #include <apex/amp/loss_scaler.h>
 
-#include "unscale.h"
+#include "amp/unscale.h"
 
 #include <ATen/ops/full.h>
 #include <c10/util/Exception.h>

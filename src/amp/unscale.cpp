@@ -1,10 +1,10 @@
-#include "unscale.h"
+#include "amp/unscale.h"
 
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/ops/zeros.h>
 #include <apex/optim/multi_tensor.h>
 
-#include "optim/lists.h"
+#include "bridge/bridge.h"
 
 #include <utility>
 
@@ -20,7 +20,7 @@ at::Tensor& flag_for(std::vector<at::Tensor>& flags, c10::Device device) {
 
 void check_and_unscale_(const std::vector<at::Tensor>& tensors, const at::Tensor& inv_scale,
                         std::vector<at::Tensor>& flags) {
-  for (auto& list : optim::detail::by_device_and_dtype(tensors)) {
+  for (auto& list : bridge::by_device_and_dtype(tensors)) {
     const c10::Device device = list.front().device();
     at::Tensor& flag = flag_for(flags, device);
     at::Tensor inv = inv_scale.device() == device ? inv_scale : inv_scale.to(device);
@@ -29,7 +29,7 @@ void check_and_unscale_(const std::vector<at::Tensor>& tensors, const at::Tensor
 }
 
 void check_finite_(const std::vector<at::Tensor>& tensors, std::vector<at::Tensor>& flags) {
-  for (const auto& list : optim::detail::by_device_and_dtype(tensors)) {
+  for (const auto& list : bridge::by_device_and_dtype(tensors)) {
     optim::multi_tensor_check_finite(list, flag_for(flags, list.front().device()));
   }
 }

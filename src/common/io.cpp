@@ -1,4 +1,4 @@
-#include "io.h"
+#include "common/io.h"
 
 #include <apex/serialize.h>
 

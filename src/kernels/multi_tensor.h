@@ -167,36 +167,40 @@ struct NovoGradArgs {
   AmpArgs amp;
 };
 
+/// Every multi-tensor kernel with its arguments: X(name, Args). Each backend has one function per
+/// entry, declared from this list (cpu: name(lists, args); cuda: name(lists, args, stream)), and
+/// the build without CUDA kernels defines its stubs from it (cuda/unavailable.cpp). A new kernel
+/// is one line here, its Args struct above, and one function per backend.
+#define APEX_MULTI_TENSOR_KERNELS(X) \
+  X(scale, ScaleArgs)                \
+  X(axpby, AxpbyArgs)                \
+  X(norm, NormArgs)                  \
+  X(adam, AdamArgs)                  \
+  X(sgd, SgdArgs)                    \
+  X(adagrad, AdagradArgs)            \
+  X(lamb_stage1, LambArgs)           \
+  X(lamb_stage2, LambArgs)           \
+  X(novograd, NovoGradArgs)
+
 namespace cpu {
-void scale(const TensorLists& lists, const ScaleArgs& args);
-void axpby(const TensorLists& lists, const AxpbyArgs& args);
-void norm(const TensorLists& lists, const NormArgs& args);
+#define APEX_DECLARE_CPU_KERNEL(name, Args) void name(const TensorLists& lists, const Args& args);
+APEX_MULTI_TENSOR_KERNELS(APEX_DECLARE_CPU_KERNEL)
+#undef APEX_DECLARE_CPU_KERNEL
 /// Sets *found_inf = 1 when any element of list 0 is not finite (the CPU optimizers' pre-pass).
 void check_finite(const TensorLists& lists, float* found_inf);
-void adam(const TensorLists& lists, const AdamArgs& args);
-void sgd(const TensorLists& lists, const SgdArgs& args);
-void adagrad(const TensorLists& lists, const AdagradArgs& args);
-void lamb_stage1(const TensorLists& lists, const LambArgs& args);
-void lamb_stage2(const TensorLists& lists, const LambArgs& args);
-void novograd(const TensorLists& lists, const NovoGradArgs& args);
-/// Name of the SIMD code path in use ("avx512bf16", "avx512", "avx2" or "baseline"); APEX_CPU_ISA
-/// overrides.
+/// Name of the SIMD code path in use (an entry of cmake/ApexCpuIsa.cmake: "avx512bf16",
+/// "avx512", "avx2" or "baseline"); APEX_CPU_ISA overrides.
 const char* isa_name();
 }  // namespace cpu
 
 namespace cuda {
 // Same semantics as the CPU backend, enqueued on `stream` (a cudaStream_t) of the current device.
 // Every kernel-memory pointer must be on that device.
-void scale(const TensorLists& lists, const ScaleArgs& args, void* stream);
-void axpby(const TensorLists& lists, const AxpbyArgs& args, void* stream);
-void norm(const TensorLists& lists, const NormArgs& args, void* stream);
+#define APEX_DECLARE_CUDA_KERNEL(name, Args) \
+  void name(const TensorLists& lists, const Args& args, void* stream);
+APEX_MULTI_TENSOR_KERNELS(APEX_DECLARE_CUDA_KERNEL)
+#undef APEX_DECLARE_CUDA_KERNEL
 void check_finite(const TensorLists& lists, float* found_inf, void* stream);
-void adam(const TensorLists& lists, const AdamArgs& args, void* stream);
-void sgd(const TensorLists& lists, const SgdArgs& args, void* stream);
-void adagrad(const TensorLists& lists, const AdagradArgs& args, void* stream);
-void lamb_stage1(const TensorLists& lists, const LambArgs& args, void* stream);
-void lamb_stage2(const TensorLists& lists, const LambArgs& args, void* stream);
-void novograd(const TensorLists& lists, const NovoGradArgs& args, void* stream);
 }  // namespace cuda
 
 }  // namespace apex::kernels

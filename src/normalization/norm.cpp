@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "bridge/bridge.h"
 #include "kernels/norm.h"
-#include "optim/lists.h"
 
 namespace apex::normalization {
 namespace {
@@ -120,10 +120,10 @@ std::array<at::Tensor, 3> norm_forward(const at::Tensor& x, const at::Tensor& w,
   a.cols = g.cols;
   a.rms = f.rms;
   a.eps = static_cast<float>(eps);
-  a.x_dtype = optim::detail::kernel_dtype(x, who);
-  a.y_dtype = optim::detail::kernel_dtype(y, who);
-  if (w.defined()) a.w_dtype = optim::detail::kernel_dtype(w, who);
-  if (b.defined()) a.w_dtype = optim::detail::kernel_dtype(b, who);
+  a.x_dtype = bridge::kernel_dtype(x, who);
+  a.y_dtype = bridge::kernel_dtype(y, who);
+  if (w.defined()) a.w_dtype = bridge::kernel_dtype(w, who);
+  if (b.defined()) a.w_dtype = bridge::kernel_dtype(b, who);
   TORCH_CHECK(!w.defined() || !b.defined() || w.scalar_type() == b.scalar_type(), who,
               ": weight and bias must have the same dtype, got ", w.scalar_type(), " and ",
               b.scalar_type());
@@ -136,7 +136,7 @@ std::array<at::Tensor, 3> norm_forward(const at::Tensor& x, const at::Tensor& w,
   if (g.rows > 0 && g.cols > 0) {
     if (x.is_cuda()) {
       const c10::DeviceGuard guard(x.device());
-      kernels::cuda::norm_forward(a, optim::detail::cuda_stream(x.device()));
+      kernels::cuda::norm_forward(a, bridge::cuda_stream(x.device()));
     } else {
       kernels::cpu::norm_forward(a);
     }
@@ -248,13 +248,13 @@ variable_list NormBackward::apply(variable_list&& grads) {
     a.cols = cols;
     a.rms = rms;
     a.eps = static_cast<float>(eps);
-    a.x_dtype = optim::detail::kernel_dtype(x_dtype, who);
-    a.dy_dtype = optim::detail::kernel_dtype(dy, who);
+    a.x_dtype = bridge::kernel_dtype(x_dtype, who);
+    a.dy_dtype = bridge::kernel_dtype(dy, who);
     TORCH_CHECK(!memory_efficient || src_t.scalar_type() == dy.scalar_type(), who,
                 ": the gradient's dtype ", dy.scalar_type(), " differs from the output's ",
                 src_t.scalar_type());
-    if (w_t.defined()) a.w_dtype = optim::detail::kernel_dtype(w_t, who);
-    if (b_t.defined()) a.w_dtype = optim::detail::kernel_dtype(b_t, who);
+    if (w_t.defined()) a.w_dtype = bridge::kernel_dtype(w_t, who);
+    if (b_t.defined()) a.w_dtype = bridge::kernel_dtype(b_t, who);
     a.dy = dy.data_ptr();
     a.x = memory_efficient ? nullptr : src_t.data_ptr();
     a.y = memory_efficient ? src_t.data_ptr() : nullptr;
@@ -266,7 +266,7 @@ variable_list NormBackward::apply(variable_list&& grads) {
     a.dw = dw.defined() ? dw.data_ptr() : nullptr;
     a.db = db.defined() ? db.data_ptr() : nullptr;
     if (dw.defined() || db.defined()) {
-      a.dwb_dtype = optim::detail::kernel_dtype(dw.defined() ? dw : db, who);
+      a.dwb_dtype = bridge::kernel_dtype(dw.defined() ? dw : db, who);
     }
     if (rows > 0 && cols > 0) {
       if (src_t.is_cuda()) {
@@ -278,7 +278,7 @@ variable_list NormBackward::apply(variable_list&& grads) {
           workspace = at::empty({static_cast<int64_t>(bytes)}, src_t.options().dtype(at::kByte));
           return workspace.data_ptr();
         };
-        kernels::cuda::norm_backward(a, optim::detail::cuda_stream(src_t.device()));
+        kernels::cuda::norm_backward(a, bridge::cuda_stream(src_t.device()));
       } else {
         kernels::cpu::norm_backward(a);
       }

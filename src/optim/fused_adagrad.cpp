@@ -6,8 +6,9 @@
 
 #include <map>
 
-#include "optim/lists.h"
+#include "bridge/bridge.h"
 #include "optim/python_state.h"
+#include "optim/state.h"
 
 namespace apex::optim {
 namespace {
@@ -104,7 +105,7 @@ void FusedAdagrad::fused_step(const GradScaling& scaling) {
         by_step[s.step() + 1].push_back(e);
       }
       for (const auto& [step, list] : by_step) {
-        detail::ListBuilder lists(4);
+        bridge::ListBuilder lists(4);
         for (const auto& e : list) {
           auto& s = state_of<FusedAdagradParamState>(e.param, [](FusedAdagradParamState&) {});
           s.step(step);
@@ -117,11 +118,9 @@ void FusedAdagrad::fused_step(const GradScaling& scaling) {
         args.eps = static_cast<float>(o.eps());
         args.weight_decay = static_cast<float>(o.weight_decay());
         args.adagrad_w_mode = o.adagrad_w_mode();
-        args.amp.inv_scale = detail::scalar_ptr(inv, device, kWho, "inv_scale");
+        args.amp.inv_scale = bridge::scalar_ptr(inv, device, kWho, "inv_scale");
         const auto view = lists.view();
-        detail::on_backend(
-            device, [&] { kernels::cpu::adagrad(view, args); },
-            [&](void* stream) { kernels::cuda::adagrad(view, args, stream); });
+        bridge::launch(device, kernels::cpu::adagrad, kernels::cuda::adagrad, view, args);
       }
     }
   }

@@ -6,8 +6,9 @@
 #include <c10/util/Exception.h>
 #include <torch/serialize/archive.h>
 
-#include "optim/lists.h"
+#include "bridge/bridge.h"
 #include "optim/python_state.h"
+#include "optim/state.h"
 
 namespace apex::optim {
 namespace {
@@ -146,12 +147,12 @@ void FusedAdam::fused_step(const GradScaling& scaling) {
       }
       args.lr_ptr = lr.data_ptr<float>();
     }
-    args.amp.inv_scale = detail::scalar_ptr(inv, device, kWho, "inv_scale");
-    args.amp.found_inf = detail::scalar_ptr(found, device, kWho, "found_inf");
+    args.amp.inv_scale = bridge::scalar_ptr(inv, device, kWho, "inv_scale");
+    args.amp.found_inf = bridge::scalar_ptr(found, device, kWho, "found_inf");
 
     for (const auto& bucket : buckets(entries)) {
       const bool master = o.master_weights() && bucket.front().param.scalar_type() != at::kFloat;
-      detail::ListBuilder lists(5);
+      bridge::ListBuilder lists(5);
       for (const auto& e : bucket) {
         auto& slot = state_[e.param.unsafeGetTensorImpl()];
         if (!slot) {
@@ -170,9 +171,7 @@ void FusedAdam::fused_step(const GradScaling& scaling) {
                    master ? s.master_param() : at::Tensor()});
       }
       const auto view = lists.view();
-      detail::on_backend(
-          device, [&] { kernels::cpu::adam(view, args); },
-          [&](void* stream) { kernels::cuda::adam(view, args, stream); });
+      bridge::launch(device, kernels::cpu::adam, kernels::cuda::adam, view, args);
     }
     // A skipped step does not count (found_inf may hold a sum of per-device flags).
     if (found.defined()) step.sub_(at::clamp_max(found, 1.0));

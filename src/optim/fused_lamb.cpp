@@ -8,7 +8,8 @@
 
 #include <cmath>
 
-#include "optim/lists.h"
+#include "bridge/bridge.h"
+#include "optim/state.h"
 
 namespace apex::optim {
 namespace {
@@ -91,7 +92,7 @@ void FusedLAMB::fused_step(const GradScaling& scaling) {
   for (const auto& entries : groups) {
     for (const auto& e : entries) all_grads.push_back(e.grad);
   }
-  const auto grads_by_key = detail::by_device_and_dtype(all_grads);
+  const auto grads_by_key = bridge::by_device_and_dtype(all_grads);
   if (grads_by_key.empty() || found_inf_on_host(scaling.found_inf)) return;
 
   // The global norm of the unscaled gradients over every group (what clipping compares with
@@ -133,10 +134,10 @@ void FusedLAMB::fused_step(const GradScaling& scaling) {
     args.use_nvlamb = o.use_nvlamb();
     args.max_grad_norm = static_cast<float>(o.max_grad_norm());
     args.global_grad_norm = gnorm.data_ptr<float>();
-    args.amp.inv_scale = detail::scalar_ptr(inv, device, kWho, "inv_scale");
+    args.amp.inv_scale = bridge::scalar_ptr(inv, device, kWho, "inv_scale");
     for (const auto& bucket : buckets(groups[gi])) {
       const bool master = o.master_weights() && bucket.front().param.scalar_type() != at::kFloat;
-      detail::ListBuilder lists(5);
+      bridge::ListBuilder lists(5);
       for (const auto& e : bucket) {
         auto& s = state_of<FusedLAMBParamState>(e.param, [&](FusedLAMBParamState& st) {
           st.exp_avg(detail::zeros_state(e.param));
@@ -155,16 +156,8 @@ void FusedLAMB::fused_step(const GradScaling& scaling) {
       args.u_sumsq = u_sumsq.data_ptr<float>();
       args.p_sumsq = p_sumsq.data_ptr<float>();
       const auto view = lists.view();
-      detail::on_backend(
-          device,
-          [&] {
-            kernels::cpu::lamb_stage1(view, args);
-            kernels::cpu::lamb_stage2(view, args);
-          },
-          [&](void* stream) {
-            kernels::cuda::lamb_stage1(view, args, stream);
-            kernels::cuda::lamb_stage2(view, args, stream);
-          });
+      bridge::launch(device, kernels::cpu::lamb_stage1, kernels::cuda::lamb_stage1, view, args);
+      bridge::launch(device, kernels::cpu::lamb_stage2, kernels::cuda::lamb_stage2, view, args);
     }
   }
 }

@@ -9,7 +9,8 @@
 
 #include <cmath>
 
-#include "optim/lists.h"
+#include "bridge/bridge.h"
+#include "optim/state.h"
 
 namespace apex::optim {
 namespace {
@@ -114,7 +115,7 @@ void FusedNovoGrad::fused_step(const GradScaling& scaling) {
           std::get<1>(l2 ? multi_tensor_l2norm(grads, true) : multi_tensor_max_norm(grads, true));
       if (inv.defined()) norms = norms * inv;
       std::vector<at::Tensor> old;
-      detail::ListBuilder lists(4);
+      bridge::ListBuilder lists(4);
       for (size_t i = 0; i < bucket.size(); ++i) {
         const auto& e = bucket[i];
         bool is_new = false;
@@ -148,11 +149,9 @@ void FusedNovoGrad::fused_step(const GradScaling& scaling) {
               : 1.0f;
       args.reg_inside_moment = o.reg_inside_moment();
       args.v = v.data_ptr<float>();
-      args.amp.inv_scale = detail::scalar_ptr(inv, device, kWho, "inv_scale");
+      args.amp.inv_scale = bridge::scalar_ptr(inv, device, kWho, "inv_scale");
       const auto view = lists.view();
-      detail::on_backend(
-          device, [&] { kernels::cpu::novograd(view, args); },
-          [&](void* stream) { kernels::cuda::novograd(view, args, stream); });
+      bridge::launch(device, kernels::cpu::novograd, kernels::cuda::novograd, view, args);
       for (size_t i = 0; i < bucket.size(); ++i) {
         auto& s = static_cast<FusedNovoGradParamState&>(
             *state_.at(bucket[i].param.unsafeGetTensorImpl()));

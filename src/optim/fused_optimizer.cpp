@@ -7,7 +7,7 @@
 #include <unordered_map>
 #include <utility>
 
-#include "optim/lists.h"
+#include "bridge/bridge.h"
 
 namespace apex::optim {
 
@@ -76,8 +76,8 @@ std::vector<std::vector<FusedOptimizer::Entry>> FusedOptimizer::collect(const ch
       if (!g.defined()) continue;
       TORCH_CHECK(!g.is_sparse(), who, ": sparse gradients are not supported (parameter ", i,
                   " of group ", gi, ")");
-      detail::kernel_dtype(p, who);
-      detail::kernel_dtype(g, who);
+      bridge::kernel_dtype(p, who);
+      bridge::kernel_dtype(g, who);
       TORCH_CHECK(g.sizes() == p.sizes(), who, ": the gradient of parameter ", i, " of group ", gi,
                   " has shape ", g.sizes(), ", expected the parameter's shape ", p.sizes());
       TORCH_CHECK(g.device() == p.device(), who, ": the gradient of parameter ", i, " of group ",
@@ -86,7 +86,7 @@ std::vector<std::vector<FusedOptimizer::Entry>> FusedOptimizer::collect(const ch
       TORCH_CHECK(p.device() == *device, who, ": all parameters of group ", gi,
                   " must be on one device, got ", *device, " and ", p.device(), " (parameter ", i,
                   ")");
-      TORCH_CHECK(detail::backend_available(p.device()), who, ": parameter ", i, " of group ", gi,
+      TORCH_CHECK(bridge::backend_available(p.device()), who, ": parameter ", i, " of group ", gi,
                   " is on ", p.device(), ", which this build of apex-cpp has no kernels for");
       TORCH_CHECK(p.is_non_overlapping_and_dense(), who, ": parameter ", i, " of group ", gi,
                   " must be dense (non-overlapping, no gaps)");

@@ -3,8 +3,9 @@
 #include <c10/util/Exception.h>
 #include <torch/serialize/archive.h>
 
-#include "optim/lists.h"
+#include "bridge/bridge.h"
 #include "optim/python_state.h"
+#include "optim/state.h"
 
 namespace apex::optim {
 namespace {
@@ -97,7 +98,7 @@ void FusedSGD::fused_step(const GradScaling& scaling) {
         (with_momentum && !s.momentum_buffer().defined() ? fresh : running).push_back(e);
       }
       for (const bool first : {true, false}) {
-        detail::ListBuilder lists(4);
+        bridge::ListBuilder lists(4);
         std::vector<FusedSGDParamState*> seeded;
         for (const auto& e : first ? fresh : running) {
           auto& s = state_of<FusedSGDParamState>(e.param, [](FusedSGDParamState&) {});
@@ -119,7 +120,7 @@ void FusedSGD::fused_step(const GradScaling& scaling) {
         args.nesterov = o.nesterov();
         args.wd_after_momentum = o.wd_after_momentum();
         args.first_run = first && with_momentum;
-        args.amp.inv_scale = detail::scalar_ptr(inv, device, kWho, "inv_scale");
+        args.amp.inv_scale = bridge::scalar_ptr(inv, device, kWho, "inv_scale");
         if (args.first_run && found.defined()) {
           // Seeding must not happen on a skipped step: the one host read of this optimizer.
           if (found_inf_on_host(found)) {
@@ -127,12 +128,10 @@ void FusedSGD::fused_step(const GradScaling& scaling) {
             continue;
           }
         } else {
-          args.amp.found_inf = detail::scalar_ptr(found, device, kWho, "found_inf");
+          args.amp.found_inf = bridge::scalar_ptr(found, device, kWho, "found_inf");
         }
         const auto view = lists.view();
-        detail::on_backend(
-            device, [&] { kernels::cpu::sgd(view, args); },
-            [&](void* stream) { kernels::cuda::sgd(view, args, stream); });
+        bridge::launch(device, kernels::cpu::sgd, kernels::cuda::sgd, view, args);
       }
     }
   }

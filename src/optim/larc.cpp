@@ -15,7 +15,7 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
-#include "optim/lists.h"
+#include "bridge/bridge.h"
 
 #include <optional>
 
@@ -82,7 +82,7 @@ at::Tensor LARC::step(torch::optim::Optimizer::LossClosure closure) {
         TORCH_CHECK(!p.grad().is_sparse(), "LARC: sparse gradients are not supported");
         with_grad.push_back(p);
       }
-      for (const auto& ps : detail::by_device_and_dtype(with_grad)) {
+      for (const auto& ps : bridge::by_device_and_dtype(with_grad)) {
         std::vector<at::Tensor> data;
         std::vector<at::Tensor> grads;
         for (const auto& p : ps) {

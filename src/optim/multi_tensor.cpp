@@ -8,22 +8,22 @@
 #include <limits>
 #include <utility>
 
-#include "optim/lists.h"
+#include "bridge/bridge.h"
 
 namespace apex::optim {
 namespace {
 
-using detail::ListBuilder;
+using bridge::ListBuilder;
 
 float* flag_ptr(const at::Tensor& found_inf, c10::Device device, const char* who) {
   TORCH_CHECK(found_inf.defined(), who, ": found_inf must be a defined one-element float32 tensor");
-  return detail::scalar_ptr(found_inf, device, who, "found_inf");
+  return bridge::scalar_ptr(found_inf, device, who, "found_inf");
 }
 
 std::tuple<at::Tensor, at::Tensor> run_norm(const std::vector<at::Tensor>& x,
                                             const at::Tensor& inv_scale, bool per_tensor,
                                             kernels::NormType type, const char* who) {
-  detail::check_list(x, who, "x");
+  bridge::check_list(x, who, "x");
   const c10::Device device = x.front().device();
   const auto opts = x.front().options().dtype(at::kFloat);
   at::Tensor total = at::empty({}, opts);
@@ -32,13 +32,11 @@ std::tuple<at::Tensor, at::Tensor> run_norm(const std::vector<at::Tensor>& x,
   for (const auto& t : x) b.add({t});
   kernels::NormArgs args;
   args.type = type;
-  args.inv_scale = detail::scalar_ptr(inv_scale, device, who, "inv_scale");
+  args.inv_scale = bridge::scalar_ptr(inv_scale, device, who, "inv_scale");
   args.total = total.data_ptr<float>();
   args.per_tensor = per_tensor ? per.data_ptr<float>() : nullptr;
   const auto lists = b.view();
-  detail::on_backend(
-      device, [&] { kernels::cpu::norm(lists, args); },
-      [&](void* s) { kernels::cuda::norm(lists, args, s); });
+  bridge::launch(device, kernels::cpu::norm, kernels::cuda::norm, lists, args);
   return {total, per};
 }
 
@@ -47,18 +45,16 @@ std::tuple<at::Tensor, at::Tensor> run_norm(const std::vector<at::Tensor>& x,
 void multi_tensor_scale(const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& out,
                         double scale, const at::Tensor& found_inf) {
   constexpr const char* who = "multi_tensor_scale";
-  detail::check_list(in, who, "in");
-  detail::check_list(out, who, "out");
-  detail::check_matching(in, out, who, "in", "out");
+  bridge::check_list(in, who, "in");
+  bridge::check_list(out, who, "out");
+  bridge::check_matching(in, out, who, "in", "out");
   ListBuilder b(2);
   for (size_t i = 0; i < in.size(); ++i) b.add({in[i], out[i]});
   kernels::ScaleArgs args;
   args.scale = static_cast<float>(scale);
   args.found_inf = flag_ptr(found_inf, in.front().device(), who);
   const auto lists = b.view();
-  detail::on_backend(
-      in.front().device(), [&] { kernels::cpu::scale(lists, args); },
-      [&](void* s) { kernels::cuda::scale(lists, args, s); });
+  bridge::launch(in.front().device(), kernels::cpu::scale, kernels::cuda::scale, lists, args);
 }
 
 void multi_tensor_axpby(const std::vector<at::Tensor>& x, const std::vector<at::Tensor>& y,
@@ -67,11 +63,11 @@ void multi_tensor_axpby(const std::vector<at::Tensor>& x, const std::vector<at::
   constexpr const char* who = "multi_tensor_axpby";
   TORCH_CHECK(arg_to_check >= -1 && arg_to_check <= 1, who,
               ": arg_to_check must be -1 (both), 0 (x) or 1 (y), got ", arg_to_check);
-  detail::check_list(x, who, "x");
-  detail::check_list(y, who, "y");
-  detail::check_list(out, who, "out");
-  detail::check_matching(x, y, who, "x", "y");
-  detail::check_matching(x, out, who, "x", "out");
+  bridge::check_list(x, who, "x");
+  bridge::check_list(y, who, "y");
+  bridge::check_list(out, who, "out");
+  bridge::check_matching(x, y, who, "x", "y");
+  bridge::check_matching(x, out, who, "x", "out");
   ListBuilder builder(3);
   for (size_t i = 0; i < x.size(); ++i) builder.add({x[i], y[i], out[i]});
   kernels::AxpbyArgs args;
@@ -80,9 +76,7 @@ void multi_tensor_axpby(const std::vector<at::Tensor>& x, const std::vector<at::
   args.arg_to_check = arg_to_check;
   args.found_inf = flag_ptr(found_inf, x.front().device(), who);
   const auto lists = builder.view();
-  detail::on_backend(
-      x.front().device(), [&] { kernels::cpu::axpby(lists, args); },
-      [&](void* s) { kernels::cuda::axpby(lists, args, s); });
+  bridge::launch(x.front().device(), kernels::cpu::axpby, kernels::cuda::axpby, lists, args);
 }
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(const std::vector<at::Tensor>& x,
@@ -104,12 +98,12 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_max_norm(const std::vector<at::T
 
 void multi_tensor_check_finite(const std::vector<at::Tensor>& x, const at::Tensor& found_inf) {
   constexpr const char* who = "multi_tensor_check_finite";
-  detail::check_list(x, who, "x");
+  bridge::check_list(x, who, "x");
   ListBuilder b(1);
   for (const auto& t : x) b.add({t});
   float* flag = flag_ptr(found_inf, x.front().device(), who);
   const auto lists = b.view();
-  detail::on_backend(
+  bridge::on_backend(
       x.front().device(), [&] { kernels::cpu::check_finite(lists, flag); },
       [&](void* s) { kernels::cuda::check_finite(lists, flag, s); });
 }
@@ -128,7 +122,7 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
     TORCH_CHECK(!g.is_sparse(), "clip_grad_norm_: sparse gradients are not supported");
     all.push_back(g);
   }
-  const auto groups = detail::by_device_and_dtype(all);
+  const auto groups = bridge::by_device_and_dtype(all);
   if (groups.empty()) return 0.0;
   double total = 0.0;
   for (const auto& grads : groups) {

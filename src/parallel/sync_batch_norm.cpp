@@ -8,8 +8,8 @@
 
 #include <cmath>
 
+#include "bridge/bridge.h"
 #include "kernels/batch_norm.h"
-#include "optim/lists.h"
 
 namespace apex::parallel {
 namespace {
@@ -75,7 +75,7 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     at::Tensor local = at::zeros({2 * C + 1}, dbl);
     kernels::BatchNormStatsArgs sa;
     sa.shape = l.shape;
-    sa.dtype = optim::detail::kernel_dtype(x, kWho);
+    sa.dtype = bridge::kernel_dtype(x, kWho);
     sa.x = x.data_ptr();
     sa.mean = local.data_ptr<double>();
     sa.m2 = local.data_ptr<double>() + C;
@@ -157,8 +157,8 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     at::Tensor sums = at::zeros({2 * C}, at::TensorOptions().dtype(at::kDouble));
     kernels::BatchNormBackwardReduceArgs ra;
     ra.shape = l.shape;
-    ra.x_dtype = optim::detail::kernel_dtype(x, kWho);
-    ra.dy_dtype = optim::detail::kernel_dtype(dy, kWho);
+    ra.x_dtype = bridge::kernel_dtype(x, kWho);
+    ra.dy_dtype = bridge::kernel_dtype(dy, kWho);
     ra.x = x.data_ptr();
     ra.dy = dy.data_ptr();
     ra.mean = mean64.data_ptr<double>();

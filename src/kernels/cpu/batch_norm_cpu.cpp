@@ -41,7 +41,7 @@ constexpr int64_t kLongRun = 64;
 // merge, and so the result, does not depend on the thread count).
 constexpr int64_t kMaxGroups = 64;
 
-const IsaTable& table() { return isa_table(); }
+const MultiTensorKernels& table() { return *cpu_kernels().multi_tensor; }
 
 // n values at src (stored as t) as fp32: src itself when it is fp32, else widened into buf.
 const float* widen(const void* src, DType t, int64_t offset, int64_t n, float* buf) {

@@ -1,10 +1,13 @@
-// Per-ISA chunk kernels of the CPU backend. isa_kernels.cpp is compiled once per instruction set
-// (baseline, AVX2, AVX-512) with everything at internal linkage except the table getter, so no
-// inline function compiled for a wider ISA can leak into the baseline path through the linker.
-// The driver (multi_tensor_cpu.cpp) splits tensors into chunks, runs them on threads and calls
-// these functions on one chunk each; pointers are already offset to the chunk's first element.
+// The interface of the per-ISA CPU kernels. multi_tensor_kernels.cpp and norm_kernels.cpp are
+// compiled once per instruction set (the list: cmake/ApexCpuIsa.cmake, generated into
+// kernels/cpu/isa_list.h), each filling its table by name; their helpers (vec.h) live in a
+// namespace per ISA and their kernels at internal linkage, so no function compiled for a wider
+// ISA can reach a narrower table through the linker. The drivers (multi_tensor_cpu.cpp,
+// norm_cpu.cpp, batch_norm_cpu.cpp) split the work and call these functions on one chunk, range
+// of rows or block each; pointers are already offset to the chunk's first element.
 #pragma once
 
+#include "kernels/cpu/isa_list.h"
 #include "kernels/multi_tensor.h"
 #include "kernels/norm.h"
 
@@ -61,8 +64,8 @@ struct NormBackwardBlock {
   double* db_sum = nullptr;
 };
 
-struct IsaTable {
-  const char* name;
+/// The multi-tensor kernels of one instruction set, each on one chunk (multi_tensor_kernels.cpp).
+struct MultiTensorKernels {
   bool (*scale)(const Span&, float s);
   bool (*axpby)(const Span&, float a, float b, int arg_to_check);
   bool (*non_finite)(const Span&);
@@ -78,25 +81,39 @@ struct IsaTable {
   void (*to_float)(const void* src, DType t, float* dst, int64_t n);
   /// n fp32 values of src into dst, stored as t (rounded to nearest even).
   void (*from_float)(const float* src, DType t, void* dst, int64_t n);
+};
+
+/// The LayerNorm/RMSNorm row kernels of one instruction set (norm_kernels.cpp).
+struct NormKernels {
   /// Rows [begin, end) of a LayerNorm/RMSNorm forward (see NormForwardArgs). w, b: [cols] or
   /// null, stored as `wb`: fp32 (copies, or the parameters in place), or bf16 (the parameters in
   /// place; only with bf16 x and y). scratch: 2 regions of norm_scratch_stride(cols) floats.
-  void (*norm_forward_rows)(const NormForwardArgs& a, int64_t begin, int64_t end, const void* w,
-                            const void* b, DType wb, float* scratch);
+  void (*forward_rows)(const NormForwardArgs& a, int64_t begin, int64_t end, const void* w,
+                       const void* b, DType wb, float* scratch);
   /// A block of rows of the backward (see NormBackwardArgs, NormBackwardBlock).
-  void (*norm_backward_block)(const NormBackwardArgs& a, const NormBackwardBlock& block);
+  void (*backward_block)(const NormBackwardArgs& a, const NormBackwardBlock& block);
   /// The norms read bf16 rows 16 elements at a time by interleaving them with zeros (AVX2): bf16
   /// parameters of a bf16 forward are then read in place whatever the size, since widening them
   /// costs one instruction per register instead of two.
-  bool norm_bf16_unpacked;
+  bool bf16_unpacked;
 };
 
-/// The table of the widest instruction set this CPU has (APEX_CPU_ISA may force a narrower one).
-const IsaTable& isa_table();
+/// Every kernel table of one instruction set.
+struct CpuKernels {
+  const char* isa;  ///< its name, as APEX_CPU_ISA takes it
+  const MultiTensorKernels* multi_tensor;
+  const NormKernels* norm;
+};
 
-const IsaTable& isa_table_baseline();
-const IsaTable& isa_table_avx2();
-const IsaTable& isa_table_avx512();
-const IsaTable& isa_table_avx512bf16();
+/// The kernels of the widest instruction set this CPU has (APEX_CPU_ISA may force a narrower
+/// one), chosen on first use (multi_tensor_cpu.cpp).
+const CpuKernels& cpu_kernels();
+
+// One getter per table and ISA, defined by the per-ISA objects (the list: isa_list.h).
+#define APEX_DECLARE_ISA_TABLES(name, runs)                \
+  const MultiTensorKernels& multi_tensor_kernels_##name(); \
+  const NormKernels& norm_kernels_##name();
+APEX_FOR_EACH_CPU_ISA(APEX_DECLARE_ISA_TABLES)
+#undef APEX_DECLARE_ISA_TABLES
 
 }  // namespace apex::kernels::cpu

@@ -5,11 +5,11 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <string_view>
@@ -24,42 +24,45 @@ namespace {
 // 25M-parameter model gives hundreds of chunks to balance over the threads.
 constexpr int64_t kChunk = 65536;
 
-const IsaTable& select_table() {
-  // Narrowest first: APEX_CPU_ISA picks the widest table up to the named one that this CPU runs.
-  constexpr std::array<std::string_view, 4> kNames = {"baseline", "avx2", "avx512", "avx512bf16"};
-  constexpr std::array<const IsaTable& (*)(), 4> kTables = {isa_table_baseline, isa_table_avx2,
-                                                            isa_table_avx512, isa_table_avx512bf16};
+struct IsaEntry {
+  std::string_view name;
+  bool runs;  // this CPU has every feature the ISA was compiled for
+  CpuKernels kernels;
+};
+
+CpuKernels select_kernels() {
   __builtin_cpu_init();
-  const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
-  const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  const std::array<bool, 4> runs = {true, has2, has512,
-                                    has512 && __builtin_cpu_supports("avx512bf16")};
+  // Narrowest first: APEX_CPU_ISA picks the widest table up to the named one that this CPU runs.
+#define APEX_ISA_ENTRY(name, runs) \
+  IsaEntry{#name, runs, CpuKernels{#name, &multi_tensor_kernels_##name(), &norm_kernels_##name()}},
+  const IsaEntry entries[] = {APEX_FOR_EACH_CPU_ISA(APEX_ISA_ENTRY)};
+#undef APEX_ISA_ENTRY
+  const size_t count = std::size(entries);
   const char* forced = std::getenv("APEX_CPU_ISA");
   const std::string_view want = forced != nullptr ? forced : "";
-  size_t top = kNames.size() - 1;
+  size_t top = count - 1;
   if (!want.empty()) {
-    const auto it = std::find(kNames.begin(), kNames.end(), want);
-    if (it == kNames.end()) {
-      std::fprintf(stderr,
-                   "apex-cpp: ignoring APEX_CPU_ISA=%s (expected baseline, avx2, avx512 or "
-                   "avx512bf16)\n",
-                   forced);
+    size_t i = 0;
+    while (i < count && entries[i].name != want) ++i;
+    if (i == count) {
+      std::string names;
+      for (const auto& e : entries) names += (names.empty() ? "" : ", ") + std::string(e.name);
+      std::fprintf(stderr, "apex-cpp: ignoring APEX_CPU_ISA=%s (expected one of %s)\n", forced,
+                   names.c_str());
     } else {
-      top = static_cast<size_t>(it - kNames.begin());
+      top = i;
     }
   }
   size_t pick = top;
-  while (!runs[pick]) --pick;
-  if (!want.empty() && pick != top && kNames[top] == want) {
+  while (!entries[pick].runs) --pick;
+  if (!want.empty() && pick != top && entries[top].name == want) {
     std::fprintf(stderr, "apex-cpp: this CPU lacks APEX_CPU_ISA=%s; using %s\n", forced,
-                 std::string(kNames[pick]).c_str());
+                 std::string(entries[pick].name).c_str());
   }
-  return kTables[pick]();
+  return entries[pick].kernels;
 }
 
-const IsaTable& table() { return isa_table(); }
+const MultiTensorKernels& table() { return *cpu_kernels().multi_tensor; }
 
 struct Chunk {
   int64_t tensor;
@@ -113,12 +116,12 @@ float inv_of(const AmpArgs& amp) { return amp.inv_scale != nullptr ? *amp.inv_sc
 
 }  // namespace
 
-const IsaTable& isa_table() {
-  static const IsaTable& t = select_table();
-  return t;
+const CpuKernels& cpu_kernels() {
+  static const CpuKernels k = select_kernels();
+  return k;
 }
 
-const char* isa_name() { return table().name; }
+const char* isa_name() { return cpu_kernels().isa; }
 
 void scale(const TensorLists& lists, const ScaleArgs& args) {
   const float s = args.scale;

@@ -18,7 +18,8 @@
 namespace apex::kernels::cpu {
 namespace {
 
-const IsaTable& table() { return isa_table(); }
+const MultiTensorKernels& convert() { return *cpu_kernels().multi_tensor; }
+const NormKernels& table() { return *cpu_kernels().norm; }
 
 // Uninitialized bytes starting on a cache line: a 64-byte load from a 16-byte aligned malloc
 // block straddles two lines every time (the backward's loops ran at half speed on such buffers
@@ -100,7 +101,7 @@ const float* float_params(const void* p, DType t, int64_t n, Slot slot) {
     return static_cast<const float*>(p);
   }
   float* out = workspace<float>(slot, n);
-  table().to_float(p, t, out, n);
+  convert().to_float(p, t, out, n);
   return out;
 }
 
@@ -146,12 +147,12 @@ void norm_forward(const NormForwardArgs& a) {
   // 86-89 %, 16384x8192 64-65 % -> 69-72 % (slow phase +4-12 %). From cache the widening costs
   // more than it saves (128x4096: 26 us against 23), and rows of 1024 were level or slower.
   // (That was the kernels' natural-order widening. The AVX2 kernels widen with one instruction
-  // per register, table().norm_bf16_unpacked, and read the parameters in place at every size:
+  // per register, table().bf16_unpacked, and read the parameters in place at every size:
   // with both, 1x4096 to 256x1024 forwards from cache ran 20-40 % faster.)
-  const bool in_place = a.w_dtype == DType::kBFloat16 && a.x_dtype == DType::kBFloat16 &&
-                        a.y_dtype == DType::kBFloat16 &&
-                        (table().norm_bf16_unpacked ||
-                         (a.cols >= 2048 && a.rows * a.cols * 2 >= (int64_t{16} << 20)));
+  const bool in_place =
+      a.w_dtype == DType::kBFloat16 && a.x_dtype == DType::kBFloat16 &&
+      a.y_dtype == DType::kBFloat16 &&
+      (table().bf16_unpacked || (a.cols >= 2048 && a.rows * a.cols * 2 >= (int64_t{16} << 20)));
   const DType wb = in_place ? DType::kBFloat16 : DType::kFloat32;
   const void* w = in_place ? a.w : float_params(a.w, a.w_dtype, a.cols, Slot::kWeight);
   const void* b = in_place ? a.b : float_params(a.b, a.w_dtype, a.cols, Slot::kBias);
@@ -160,7 +161,7 @@ void norm_forward(const NormForwardArgs& a) {
   at::parallel_for(0, a.rows, grain(a.cols), [&](int64_t begin, int64_t end) {
     float* rows =
         scratch ? workspace<float>(Slot::kRows, 2 * norm_scratch_stride(a.cols)) : nullptr;
-    table().norm_forward_rows(a, begin, end, w, b, wb, rows);
+    table().forward_rows(a, begin, end, w, b, wb, rows);
     release_large_workspace(/*rows_only=*/true);
   });
 }
@@ -171,8 +172,8 @@ void norm_backward(const NormBackwardArgs& a) {
     if (a.cols > 0) {
       const ReleaseAtEnd release;
       const float* zeros = filled(a.cols, 0.0f, Slot::kWeight);
-      if (a.dw != nullptr) table().from_float(zeros, a.dwb_dtype, a.dw, a.cols);
-      if (a.db != nullptr) table().from_float(zeros, a.dwb_dtype, a.db, a.cols);
+      if (a.dw != nullptr) convert().from_float(zeros, a.dwb_dtype, a.dw, a.cols);
+      if (a.db != nullptr) convert().from_float(zeros, a.dwb_dtype, a.db, a.cols);
     }
     return;
   }
@@ -218,7 +219,7 @@ void norm_backward(const NormBackwardArgs& a) {
       block.scratch = scratch;
       block.dw_sum = want ? dw_sum + blk * sum_stride : nullptr;
       block.db_sum = want ? db_sum + blk * sum_stride : nullptr;
-      table().norm_backward_block(a, block);
+      table().backward_block(a, block);
     }
     release_large_workspace(/*rows_only=*/true);
   });
@@ -239,7 +240,7 @@ void norm_backward(const NormBackwardArgs& a) {
       for (auto [sum, out] : {std::pair{dw_sum, a.dw}, std::pair{db_sum, a.db}}) {
         if (out == nullptr) continue;
         for (int64_t i = 0; i < n; ++i) tile[i] = static_cast<float>(sum[t0 + i]);
-        table().from_float(tile, a.dwb_dtype, static_cast<char*>(out) + t0 * elem, n);
+        convert().from_float(tile, a.dwb_dtype, static_cast<char*>(out) + t0 * elem, n);
       }
     }
   });

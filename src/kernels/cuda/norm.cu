@@ -21,7 +21,7 @@
 #include <string>
 #include <type_traits>
 
-#include "kernels/cuda/multi_tensor_apply.cuh"
+#include "kernels/cuda/common.cuh"
 #include "kernels/norm.h"
 
 namespace apex::kernels::cuda {

@@ -12,16 +12,10 @@ namespace apex::kernels::cuda {
     TORCH_CHECK(false, "apex-cpp was built without CUDA kernels (" #name ")"); \
   }
 
-APEX_NO_CUDA(scale, const ScaleArgs&)
-APEX_NO_CUDA(axpby, const AxpbyArgs&)
-APEX_NO_CUDA(norm, const NormArgs&)
+#define APEX_NO_CUDA_KERNEL(name, Args) APEX_NO_CUDA(name, const Args&)
+APEX_MULTI_TENSOR_KERNELS(APEX_NO_CUDA_KERNEL)
+#undef APEX_NO_CUDA_KERNEL
 APEX_NO_CUDA(check_finite, float*)
-APEX_NO_CUDA(adam, const AdamArgs&)
-APEX_NO_CUDA(sgd, const SgdArgs&)
-APEX_NO_CUDA(adagrad, const AdagradArgs&)
-APEX_NO_CUDA(lamb_stage1, const LambArgs&)
-APEX_NO_CUDA(lamb_stage2, const LambArgs&)
-APEX_NO_CUDA(novograd, const NovoGradArgs&)
 
 #undef APEX_NO_CUDA
 

@@ -1,7 +1,5 @@
-#include "optim/lists.h"
+#include "bridge/bridge.h"
 
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -12,7 +10,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
-namespace apex::optim::detail {
+namespace apex::bridge {
 
 kernels::DType kernel_dtype(const at::Tensor& t, const char* who) {
   return kernel_dtype(t.scalar_type(), who);
@@ -104,16 +102,6 @@ float* scalar_ptr(const at::Tensor& t, c10::Device device, const char* who, cons
   return t.data_ptr<float>();
 }
 
-void check_non_negative(const char* who, const char* name, double value) {
-  TORCH_CHECK(value >= 0, who, ": ", name, " must be >= 0, got ", value);
-}
-
-void check_betas(const char* who, const std::tuple<double, double>& betas) {
-  const auto [b1, b2] = betas;
-  TORCH_CHECK(b1 >= 0 && b1 < 1, who, ": betas[0] must be in [0, 1), got ", b1);
-  TORCH_CHECK(b2 >= 0 && b2 < 1, who, ": betas[1] must be in [0, 1), got ", b2);
-}
-
 std::vector<std::vector<at::Tensor>> by_device_and_dtype(const std::vector<at::Tensor>& tensors) {
   std::vector<std::pair<std::pair<c10::Device, c10::ScalarType>, std::vector<at::Tensor>>> groups;
   for (const auto& t : tensors) {
@@ -131,25 +119,6 @@ std::vector<std::vector<at::Tensor>> by_device_and_dtype(const std::vector<at::T
   out.reserve(groups.size());
   for (auto& g : groups) out.push_back(std::move(g.second));
   return out;
-}
-
-at::Tensor zeros_state(const at::Tensor& param) {
-  return at::zeros_like(param, param.options().dtype(at::kFloat));
-}
-
-at::Tensor conform_state(const at::Tensor& t, const at::Tensor& param) {
-  TORCH_CHECK(t.sizes() == param.sizes(), "optimizer state of shape ", t.sizes(),
-              " does not fit its parameter of shape ", param.sizes(),
-              " (was the state loaded from another model?)");
-  if (t.scalar_type() == at::kFloat && t.device() == param.device() &&
-      t.strides() == param.strides() && t.sizes() == param.sizes()) {
-    return t;
-  }
-  return at::empty_like(param, param.options().dtype(at::kFloat)).copy_(t);
-}
-
-at::Tensor master_copy(const at::Tensor& param) {
-  return at::empty_like(param, param.options().dtype(at::kFloat)).copy_(param);
 }
 
 bool backend_available(c10::Device device) {
@@ -170,4 +139,4 @@ void* cuda_stream(c10::Device device) {
 #endif
 }
 
-}  // namespace apex::optim::detail
+}  // namespace apex::bridge
