@@ -8,28 +8,71 @@
 
 namespace apex::amp {
 
+namespace {
+
+/// What an opt level casts the model to.
+enum class ModelCast { kNone, kFloat, kHalf };
+
+/// One row of apex's opt-level table: the properties a level sets before any override.
+struct LevelDefaults {
+  OptLevel level;
+  const char* name;
+  ModelCast cast_model;
+  bool patch_torch_functions;  ///< autocast around operations
+  bool keep_batchnorm_fp32;
+  bool master_weights;
+  bool dynamic_loss_scale;  ///< dynamic scaling for fp16 (bf16 keeps a static 1: fp32's range)
+};
+
+constexpr LevelDefaults kLevels[] = {
+    {.level = OptLevel::O0,
+     .name = "O0",
+     .cast_model = ModelCast::kFloat,
+     .patch_torch_functions = false,
+     .keep_batchnorm_fp32 = false,
+     .master_weights = false,
+     .dynamic_loss_scale = false},
+    {.level = OptLevel::O1,
+     .name = "O1",
+     .cast_model = ModelCast::kNone,
+     .patch_torch_functions = true,
+     .keep_batchnorm_fp32 = false,
+     .master_weights = false,
+     .dynamic_loss_scale = true},
+    {.level = OptLevel::O2,
+     .name = "O2",
+     .cast_model = ModelCast::kHalf,
+     .patch_torch_functions = false,
+     .keep_batchnorm_fp32 = true,
+     .master_weights = true,
+     .dynamic_loss_scale = true},
+    {.level = OptLevel::O3,
+     .name = "O3",
+     .cast_model = ModelCast::kHalf,
+     .patch_torch_functions = false,
+     .keep_batchnorm_fp32 = false,
+     .master_weights = false,
+     .dynamic_loss_scale = false},
+};
+
+const LevelDefaults& defaults_of(OptLevel level) {
+  for (const auto& row : kLevels) {
+    if (row.level == level) return row;
+  }
+  TORCH_CHECK(false, "invalid OptLevel value ", static_cast<int>(level));
+}
+
+}  // namespace
+
 OptLevel parse_opt_level(std::string_view text) {
-  if (text == "O0") return OptLevel::O0;
-  if (text == "O1") return OptLevel::O1;
-  if (text == "O2") return OptLevel::O2;
-  if (text == "O3") return OptLevel::O3;
+  for (const auto& row : kLevels) {
+    if (text == row.name) return row.level;
+  }
   TORCH_CHECK(false, "unknown opt_level '", text,
               "'; expected O0, O1, O2 or O3 (the letter O, not zero)");
 }
 
-std::string to_string(OptLevel level) {
-  switch (level) {
-    case OptLevel::O0:
-      return "O0";
-    case OptLevel::O1:
-      return "O1";
-    case OptLevel::O2:
-      return "O2";
-    case OptLevel::O3:
-      return "O3";
-  }
-  TORCH_CHECK(false, "invalid OptLevel value ", static_cast<int>(level));
-}
+std::string to_string(OptLevel level) { return defaults_of(level).name; }
 
 LossScale::LossScale(double value) : dynamic_(false), value_(value) {
   TORCH_CHECK(std::isfinite(value) && value > 0, "loss_scale must be finite and > 0, got ", value);
@@ -69,29 +112,21 @@ Properties Properties::resolve(const Options& o) {
   TORCH_CHECK(o.num_losses() >= 1, "amp Options: num_losses must be >= 1, got ", o.num_losses());
   TORCH_CHECK(o.verbosity() >= 0, "amp Options: verbosity must be >= 0, got ", o.verbosity());
 
-  Properties p{level, o.enabled(), o.half_dtype(), std::nullopt,          false,
-               false, false,       LossScale(1.0), o.cast_model_outputs()};
-  // apex's opt-level table; bf16 needs no dynamic scaling (fp32's exponent range).
-  const LossScale default_dynamic =
-      o.half_dtype() == c10::kBFloat16 ? LossScale(1.0) : LossScale::dynamic();
-  switch (level) {
-    case OptLevel::O0:
-      p.cast_model_type = c10::kFloat;
-      break;
-    case OptLevel::O1:
-      p.patch_torch_functions = true;
-      p.loss_scale = default_dynamic;
-      break;
-    case OptLevel::O2:
-      p.cast_model_type = o.half_dtype();
-      p.keep_batchnorm_fp32 = true;
-      p.master_weights = true;
-      p.loss_scale = default_dynamic;
-      break;
-    case OptLevel::O3:
-      p.cast_model_type = o.half_dtype();
-      break;
+  const LevelDefaults& row = defaults_of(level);
+  Properties p;
+  p.opt_level = level;
+  p.enabled = o.enabled();
+  p.half_dtype = o.half_dtype();
+  if (row.cast_model != ModelCast::kNone) {
+    p.cast_model_type = row.cast_model == ModelCast::kFloat ? c10::kFloat : o.half_dtype();
   }
+  p.patch_torch_functions = row.patch_torch_functions;
+  p.keep_batchnorm_fp32 = row.keep_batchnorm_fp32;
+  p.master_weights = row.master_weights;
+  // bf16 needs no dynamic scaling (fp32's exponent range).
+  p.loss_scale = row.dynamic_loss_scale && o.half_dtype() != c10::kBFloat16 ? LossScale::dynamic()
+                                                                            : LossScale(1.0);
+  p.cast_model_outputs = o.cast_model_outputs();
 
   // Overrides, checked as apex's Properties.__setattr__ did.
   if (o.cast_model_type()) {

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_peer import model_and_inputs  # noqa: E402
+from train_peer import FAMILIES, model_and_inputs  # noqa: E402
 
 
 def run(rank, a, init_file, out):
@@ -63,7 +63,7 @@ def run(rank, a, init_file, out):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", choices=["transformer", "resnet"], default="transformer")
+    p.add_argument("--model", choices=sorted(FAMILIES), default="transformer")
     p.add_argument("--world", type=int, default=2, help="ranks (0: no DDP at all)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)

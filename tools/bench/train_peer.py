@@ -90,16 +90,23 @@ class ResNet(nn.Module):
         return self.classifier(self.blocks(x).mean((2, 3)))
 
 
+# The families the peers know (apex-train's defaults; its table is model_families() in
+# tools/train/models.cpp): name -> (model class, inputs of one batch from a generator, classes).
+FAMILIES = {
+    "transformer": (Transformer, lambda n, g: torch.randint(0, 64, (n, 64), generator=g), 4),
+    "resnet": (ResNet, lambda n, g: torch.randn(n, 1, 32, 32, generator=g), 10),
+}
+
+
 def model_and_inputs(name, batch_size):
     """The model, a function drawing one batch of inputs from a generator, and the classes."""
-    if name == "transformer":
-        return Transformer(), lambda g: torch.randint(0, 64, (batch_size, 64), generator=g), 4
-    return ResNet(), lambda g: torch.randn(batch_size, 1, 32, 32, generator=g), 10
+    model, inputs, classes = FAMILIES[name]
+    return model(), lambda g: inputs(batch_size, g), classes
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", choices=["transformer", "resnet"], default="transformer")
+    p.add_argument("--model", choices=sorted(FAMILIES), default="transformer")
     p.add_argument("--mode", choices=["fp32", "autocast"], default="autocast")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5)

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <set>
@@ -62,6 +63,38 @@ const std::vector<std::string> kData = {"shapes", "tokens", "tones", "mnist", "c
 
 }  // namespace
 
+// The --model, --width and --depth lines of --help, from the family table.
+static std::string model_help() {
+  std::string names;
+  std::string widths;
+  std::string depths;
+  std::string width_values;
+  std::string depth_values;
+  std::string heads;
+  // Appends `item` to `list` after `sep` (none before the first item).
+  auto append = [](std::string& list, const char* sep, const std::string& item) {
+    if (!list.empty()) list.append(sep);
+    list.append(item);
+  };
+  for (const auto& f : model_families()) {
+    append(names, " | ", f.name);
+    if (widths.find(f.width_means) == std::string::npos) append(widths, " / ", f.width_means);
+    if (depths.find(f.depth_means) == std::string::npos) append(depths, " / ", f.depth_means);
+    append(width_values, "/", std::to_string(f.width));
+    append(depth_values, "/", std::to_string(f.depth));
+    if (f.heads > 0 && heads.empty()) heads = std::to_string(f.heads);
+  }
+  char buf[1024];
+  std::snprintf(buf, sizeof(buf),
+                "  --model NAME          %s (default transformer)\n"
+                "  --width N             %s (family default: %s)\n"
+                "  --depth N             %s (%s)\n"
+                "  --heads N             attention heads (%s)\n",
+                names.c_str(), widths.c_str(), width_values.c_str(), depths.c_str(),
+                depth_values.c_str(), heads.c_str());
+  return buf;
+}
+
 std::string usage() {
   return R"(usage: apex-train [options]
 Trains a model with apex-cpp's mixed precision, one opt level or several side by side.
@@ -69,11 +102,8 @@ With no options: --model transformer --compare O0,O1,O2 on built-in token data (
 O0 alone, saying why, on a CPU where LibTorch multiplies bf16 matrices slowly: no AVX-512).
 
 model and data
-  --model NAME          mlp | resnet | transformer | wav2vec2 (default transformer)
-  --width N             hidden units / base channels / model dim (family default: 512/16/256/256)
-  --depth N             hidden layers / blocks per stage / encoder layers (2/1/2/2)
-  --heads N             attention heads (4)
-  --data NAME           shapes | tokens | tones (built-in, learnable, seeded) |
+)" + model_help() +
+         R"(  --data NAME           shapes | tokens | tones (built-in, learnable, seeded) |
                         mnist | cifar10 | wav (files in --data-dir); default: the model's
   --data-dir DIR        MNIST IDX files, CIFAR-10 binary batches, or one folder per class of
                         16 kHz mono 16-bit WAV files
@@ -156,7 +186,7 @@ Cli parse_cli(const std::vector<std::string>& args) {
       cli.child_args.push_back(v);
     }
     if (flag == "--model") {
-      o.model.family = one_of(flag, v, model_families());
+      o.model.family = one_of(flag, v, model_family_names());
     } else if (flag == "--width") {
       o.model.width = to_int(flag, v, 1, kMaxWidth);
     } else if (flag == "--depth") {
@@ -287,11 +317,7 @@ Cli parse_cli(const std::vector<std::string>& args) {
   TORCH_CHECK(!o.ddp || o.device.is_cpu(),
               "apex-train: --ddp runs on the CPU (Gloo) only in this build; NCCL is not there yet");
   TORCH_CHECK(o.steps == 0 || o.epochs == 0, "apex-train: give either --steps or --epochs");
-  if (o.steps == 0 && o.epochs == 0) {
-    // About a minute per level on 2 CPU cores.
-    const std::string& f = o.model.family;
-    o.steps = f == "transformer" ? 160 : f == "resnet" ? 150 : f == "wav2vec2" ? 150 : 300;
-  }
+  if (o.steps == 0 && o.epochs == 0) o.steps = model_family(o.model.family).default_steps;
   return cli;
 }
 

@@ -254,45 +254,102 @@ class Wav2Vec2 : public Classifier {
   std::shared_ptr<EncoderHead> encoder_;
 };
 
+template <class Model>
+std::shared_ptr<Classifier> make(const ModelConfig& c, const Dataset& data) {
+  return std::make_shared<Model>(c, data);
+}
+
 }  // namespace
 
-const std::vector<std::string>& model_families() {
-  static const std::vector<std::string> f = {"mlp", "resnet", "transformer", "wav2vec2"};
-  return f;
+const std::vector<ModelFamily>& model_families() {
+  static const std::vector<ModelFamily> families = {
+      {.name = "mlp",
+       .accepts = "",
+       .default_data = "shapes",
+       .width = 512,
+       .depth = 2,
+       .heads = 0,
+       .width_means = "hidden units",
+       .depth_means = "hidden layers",
+       .default_steps = 300,
+       .make = make<Mlp>},
+      {.name = "resnet",
+       .accepts = "image",
+       .default_data = "shapes",
+       .width = 16,
+       .depth = 1,
+       .heads = 0,
+       .width_means = "base channels",
+       .depth_means = "blocks per stage",
+       .default_steps = 150,
+       .make = make<ResNet>},
+      {.name = "transformer",
+       .accepts = "tokens",
+       .default_data = "tokens",
+       .width = 256,
+       .depth = 2,
+       .heads = 4,
+       .width_means = "model dim",
+       .depth_means = "encoder layers",
+       .default_steps = 160,
+       .make = make<Transformer>},
+      {.name = "wav2vec2",
+       .accepts = "audio",
+       .default_data = "tones",
+       .width = 256,
+       .depth = 2,
+       .heads = 4,
+       .width_means = "model dim",
+       .depth_means = "encoder layers",
+       .default_steps = 150,
+       .make = make<Wav2Vec2>},
+  };
+  return families;
+}
+
+std::vector<std::string> model_family_names() {
+  std::vector<std::string> names;
+  for (const auto& f : model_families()) names.push_back(f.name);
+  return names;
+}
+
+const ModelFamily& model_family(const std::string& name) {
+  for (const auto& f : model_families()) {
+    if (f.name == name) return f;
+  }
+  std::string names;
+  for (const auto& f : model_families()) names.append(names.empty() ? "" : ", ").append(f.name);
+  TORCH_CHECK(false, "apex-train: unknown model family '", name, "' (expected one of ", names, ")");
 }
 
 bool family_accepts(const std::string& family, const std::string& kind) {
-  if (family == "mlp") return true;
-  if (family == "resnet") return kind == "image";
-  if (family == "transformer") return kind == "tokens";
-  if (family == "wav2vec2") return kind == "audio";
-  return false;
+  const ModelFamily& f = model_family(family);
+  return f.accepts.empty() || f.accepts == kind;
 }
 
 ModelConfig resolved(ModelConfig c) {
-  struct Defaults {
-    int64_t width, depth, heads;
-  };
-  const Defaults d = c.family == "mlp"      ? Defaults{512, 2, 0}
-                     : c.family == "resnet" ? Defaults{16, 1, 0}
-                                            : Defaults{256, 2, 4};
-  if (c.width == 0) c.width = d.width;
-  if (c.depth == 0) c.depth = d.depth;
-  if (c.heads == 0) c.heads = d.heads;
+  const ModelFamily& f = model_family(c.family);
+  if (c.width == 0) c.width = f.width;
+  if (c.depth == 0) c.depth = f.depth;
+  if (c.heads == 0) c.heads = f.heads;
   return c;
 }
 
 std::shared_ptr<Classifier> make_model(const ModelConfig& config, const Dataset& data,
                                        uint64_t seed) {
   const ModelConfig c = resolved(config);
-  TORCH_CHECK(family_accepts(c.family, data.kind), "apex-train: --model ", c.family,
-              " does not take ", data.kind, " data (resnet: images, transformer: tokens, ",
-              "wav2vec2: audio, mlp: any)");
+  const ModelFamily& f = model_family(c.family);
+  if (!family_accepts(c.family, data.kind)) {
+    std::string takes;
+    for (const auto& g : model_families()) {
+      if (!takes.empty()) takes.append(", ");
+      takes.append(g.name).append(": ").append(g.accepts.empty() ? "any" : g.accepts);
+    }
+    TORCH_CHECK(false, "apex-train: --model ", c.family, " does not take ", data.kind, " data (",
+                takes, ")");
+  }
   torch::manual_seed(seed);
-  if (c.family == "mlp") return std::make_shared<Mlp>(c, data);
-  if (c.family == "resnet") return std::make_shared<ResNet>(c, data);
-  if (c.family == "transformer") return std::make_shared<Transformer>(c, data);
-  return std::make_shared<Wav2Vec2>(c, data);
+  return f.make(c, data);
 }
 
 std::string describe(const ModelConfig& config, const torch::nn::Module& model) {
@@ -300,7 +357,7 @@ std::string describe(const ModelConfig& config, const torch::nn::Module& model) 
   int64_t n = 0;
   for (const auto& p : model.parameters()) n += p.numel();
   char buf[160];
-  if (c.family == "mlp" || c.family == "resnet") {
+  if (model_family(c.family).heads == 0) {
     std::snprintf(buf, sizeof(buf), "%s width=%lld depth=%lld (%.2fM parameters)", c.family.c_str(),
                   static_cast<long long>(c.width), static_cast<long long>(c.depth),
                   static_cast<double>(n) / 1e6);

@@ -30,17 +30,35 @@ struct ModelConfig {
   bool sync_bn = false;  ///< resnet: apex::parallel::SyncBatchNorm (needs a process group)
 };
 
-/// The model families and their defaults, for --help and errors.
-const std::vector<std::string>& model_families();
-/// The data kind ("image", "tokens", "audio") a family accepts; mlp accepts every kind.
-bool family_accepts(const std::string& family, const std::string& kind);
-/// The config with the family's defaults filled in.
-ModelConfig resolved(ModelConfig config);
-
 class Classifier : public torch::nn::Module {
  public:
   virtual at::Tensor forward(const at::Tensor& inputs) = 0;
 };
+
+/// One model family: everything apex-train, its help, its tests and apex-bench know of it. A new
+/// family is one row of model_families() (and its class in models.cpp).
+struct ModelFamily {
+  std::string name;
+  std::string accepts;       ///< the data kind it takes ("image", "tokens", "audio"); "" = any
+  std::string default_data;  ///< the built-in data set when --data is not given
+  int64_t width = 0;         ///< defaults of ModelConfig's sizes; heads 0: no attention
+  int64_t depth = 0;
+  int64_t heads = 0;
+  std::string width_means;  ///< what --width and --depth count, for --help
+  std::string depth_means;
+  int64_t default_steps = 0;  ///< steps when neither --steps nor --epochs: ~1 min per level
+  std::shared_ptr<Classifier> (*make)(const ModelConfig&, const Dataset&) = nullptr;
+};
+
+/// The model families, in --help's order.
+const std::vector<ModelFamily>& model_families();
+std::vector<std::string> model_family_names();
+/// The family called `name`; an error listing the families otherwise.
+const ModelFamily& model_family(const std::string& name);
+/// Whether `family` takes data of `kind` ("image", "tokens", "audio").
+bool family_accepts(const std::string& family, const std::string& kind);
+/// The config with the family's defaults filled in.
+ModelConfig resolved(ModelConfig config);
 
 /// Builds the model for `data` (input shape, classes, vocabulary) with weights drawn from
 /// `seed`: the same seed gives the same initial weights at every opt level.

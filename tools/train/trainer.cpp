@@ -37,12 +37,6 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-std::string default_data(const std::string& family) {
-  if (family == "transformer") return "tokens";
-  if (family == "wav2vec2") return "tones";
-  return "shapes";
-}
-
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainOptions& o,
                                                         const std::vector<at::Tensor>& params) {
   namespace ao = apex::optim;
@@ -250,7 +244,7 @@ int64_t total_steps(const TrainOptions& o, int64_t train_size, int64_t world) {
 }
 
 Split load_data(const TrainOptions& o) {
-  const std::string name = o.data.empty() ? default_data(o.model.family) : o.data;
+  const std::string name = o.data.empty() ? model_family(o.model.family).default_data : o.data;
   const bool file_based = name == "mnist" || name == "cifar10" || name == "wav";
   TORCH_CHECK(!file_based || !o.data_dir.empty(), "apex-train: --data ", name,
               " needs --data-dir DIR");
