@@ -114,9 +114,8 @@ const float* filled(int64_t n, float v, Slot slot) {
 // Fixed blocks of backward rows, each with its own fp64 dw/db sums: at most kMaxBlocks (enough
 // to balance the threads), with kMinBlockRows rows or more each, because every block costs a
 // few passes over [cols] of its own (its partials and sums, and its share of the final
-// combination): with always 32 blocks, 32 rows of 4096 ran 4x slower than ATen's backward, and
-// blocks of 4 rows cost 8-15 % at 128 rows of 4096-8192. But at least two blocks from two rows
-// on, so that a few wide rows still use two threads. A function of the rows only: the sums do
+// combination). But at least two blocks from two rows on, so that a few wide rows still use two
+// threads. A function of the rows only: the sums do
 // not depend on the thread count.
 constexpr int64_t kMaxBlocks = 32;
 constexpr int64_t kMinBlockRows = 8;
@@ -143,12 +142,8 @@ void norm_forward(const NormForwardArgs& a) {
   // from memory, instead of converted to fp32 once per call. The fp32 copies are read at 4 bytes
   // per element while y is written at 2, so their loads keep meeting y's stores in flight at the
   // same address modulo 4 KB (4K aliasing), wherever either lies; bf16 parameters advance with y.
-  // Kernel A/B, 2 threads, forward as % of a copy in the fast memory phase: 4096x4096 63-66 % ->
-  // 86-89 %, 16384x8192 64-65 % -> 69-72 % (slow phase +4-12 %). From cache the widening costs
-  // more than it saves (128x4096: 26 us against 23), and rows of 1024 were level or slower.
-  // (That was the kernels' natural-order widening. The AVX2 kernels widen with one instruction
-  // per register, table().bf16_unpacked, and read the parameters in place at every size:
-  // with both, 1x4096 to 256x1024 forwards from cache ran 20-40 % faster.)
+  // From cache the widening costs more than it saves, except on the AVX2 kernels, which widen
+  // with one instruction per register (table().bf16_unpacked). Figures: docs/perf-notes.md.
   const bool in_place =
       a.w_dtype == DType::kBFloat16 && a.x_dtype == DType::kBFloat16 &&
       a.y_dtype == DType::kBFloat16 &&

@@ -531,11 +531,9 @@ class BackwardBlock {
   static constexpr bool kUnp = kUnpackedRows && std::is_same_v<SS, uint16_t> &&
                                std::is_same_v<DS, uint16_t> && std::is_same_v<OS, uint16_t>;
   // Wide rows take their second pass two rows at a time when a row's three rows (src, dy, dx)
-  // fill L1 (48 KB here): then w and the partials come from L2, and a pair halves that traffic
-  // (in-process A/B on the development VM: fp32 4096-8192 columns 4-17 % faster, bf16 8192
-  // columns 8-12 %). Narrower rows ran slower in pairs (fp32 1024 columns by 15 %, bf16 1024-4096
-  // from memory by 10-50 %); the threshold gives fp32 from 4096 columns and bf16 from 8192, the
-  // measured sides. Not fp16, whose rows are converted through single scratch rows.
+  // fill L1 (48 KB here): then w and the partials come from L2, and a pair halves that traffic.
+  // Narrower rows ran slower in pairs (docs/perf-notes.md, "Backward pairs"). Not fp16, whose
+  // rows are converted through single scratch rows.
   static constexpr bool kMayPair =
       V > 1 && !std::is_same_v<SS, Half> && !std::is_same_v<DS, Half> && !std::is_same_v<OS, Half>;
   static constexpr int64_t kPairBytes = 48 << 10;
@@ -549,9 +547,8 @@ class BackwardBlock {
         row_(make_row()),
         out_row_(row_),
         unpacked_(kUnp && a.dx != nullptr),
-        // dx's lines are requested during the first pass for rows of 2048 and more: 2 threads,
-        // 4096x4096 15-25 % and 8192x2048 10-22 % faster backwards; at 1024 columns it was -6 to
-        // +25 %, where the row is short enough for the hardware's own stream to cover it.
+        // dx's lines are requested during the first pass for rows of 2048 and more; shorter rows
+        // are covered by the hardware's own stream (docs/perf-notes.md).
         prefetch_dx_(a.cols >= 2048),
         pairs_(kMayPair &&
                a.cols * static_cast<int64_t>(sizeof(stored_t<SS>) + sizeof(stored_t<DS>) +
@@ -592,9 +589,9 @@ class BackwardBlock {
 
  private:
   // The dw/db partials are loaded and stored in the loop that stores dx. Where their addresses
-  // lie just below dx's modulo 4 KB, their loads wait on the dx stores in flight (4K aliasing):
-  // 1024-column fp32 rows ran 20 % slower or faster with where the heap had put dx. They are
-  // placed half a page from the block's first dx row instead (the scratch has a page of slack).
+  // lie just below dx's modulo 4 KB, their loads wait on the dx stores in flight (4K aliasing).
+  // They are placed half a page from the block's first dx row instead (the scratch has a page of
+  // slack).
   // (dx is null when only dw/db are wanted.)
   BackwardRow make_row() const {
     float* const parts = std::is_same_v<OS, Half> || a_.dx == nullptr

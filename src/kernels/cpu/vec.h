@@ -104,9 +104,8 @@ inline uint16_t bf16_round(float f) {
 // One vector register of fp32 lanes as one value (GCC's vector extension): sixteen lanes on
 // AVX-512, eight on AVX2, four on the SSE2 baseline. The row reductions are written on it rather
 // than left to the auto-vectorizer, which vectorized some of them across the outer loop (strided
-// lanes: twice as slow on short rows). Never wider than the ISA's register: GCC lowers a 64-byte
-// value on AVX2 through the stack and general registers (vpinsrq, spills), and the AVX2 LayerNorm
-// forward then ran at 0.6x ATen's, slower than the baseline build (a Zen 3 VM, rows in L1).
+// lanes). Never wider than the ISA's register: GCC lowers a wider value through the stack and
+// general registers (docs/perf-notes.md).
 #if defined(__AVX512F__)
 constexpr int kVec = 16;
 #elif defined(__AVX2__)
@@ -162,13 +161,11 @@ inline Lanes16 bf16_round_bits(Lanes v) {
 }
 
 // With AVX512-BF16 (kLanesBf16) one instruction rounds sixteen lanes to nearest even, in place of
-// the ten or so of the bit arithmetic (one core, rows in L2: the bf16 LayerNorm forward took
-// 0.083-0.097 ns per element instead of 0.125, its backward 0.184 instead of 0.21; fp32's forward
-// takes 0.07-0.08). The instruction differs from bf16_round in two cases: it flushes denormal
-// inputs to zero, and it keeps a NaN's sign and payload where c10 writes 0x7fc0. Lanes holding
-// either are found by one class test and take the bit arithmetic, so the result is bf16_round's
-// bit for bit. The class test sees denormals as zeros when MXCSR.DAZ is set, so with DAZ on
-// (torch.set_flush_denormal, or a caller's own MXCSR) the loops keep to the bit arithmetic
+// the ten or so of the bit arithmetic. The instruction differs from bf16_round in two cases: it
+// flushes denormal inputs to zero, and it keeps a NaN's sign and payload where c10 writes 0x7fc0.
+// Lanes holding either are found by one class test and take the bit arithmetic, so the result is
+// bf16_round's bit for bit. The class test sees denormals as zeros when MXCSR.DAZ is set, so with
+// DAZ on (torch.set_flush_denormal, or a caller's own MXCSR) the loops keep to the bit arithmetic
 // (lanes_bf16_usable).
 #if defined(__AVX512BF16__)
 constexpr bool kLanesBf16 = true;
@@ -188,13 +185,9 @@ inline Lanes16 bf16_round_lanes(Lanes v) {
       _mm256_mask_blend_epi16(odd, hw, reinterpret_cast<__m256i>(bf16_round_bits(v))));
 }
 #elif defined(__AVX2__) && !defined(__AVX512F__)
-// AVX2 has no rounding instruction, but the bit arithmetic written with intrinsics costs 9
-// instructions per 8 lanes, where GCC's vectorization of bf16_round spent 11 and a half (the NaN
-// test as and/min/compare/blend instead of one unordered compare and a blend, a mask before the
-// pack that the unsigned pack does not need). With the widening load below, bf16 LayerNorm on one
-// core of a Zen 3 VM, rows in cache (8x8192, 64x4096, 256x1024): forward 0.53 -> 0.42 ns per
-// element, backward 0.81-0.93 -> 0.63-0.74 (fp32: 0.24 and 0.52-0.54, unchanged). Exact for every
-// input, so usable whatever MXCSR holds.
+// AVX2 has no rounding instruction; the bit arithmetic written with intrinsics (one unordered
+// compare and a blend for NaN, an unsigned pack) takes 9 instructions per 8 lanes where GCC's
+// vectorization of bf16_round took 11.5. Exact for every input, so usable whatever MXCSR holds.
 constexpr bool kLanesBf16 = true;
 inline bool lanes_bf16_usable() { return true; }
 inline Lanes16 bf16_round_lanes(Lanes v) {
@@ -235,10 +228,8 @@ struct Unpacked {
   Lanes lo;
   Lanes hi;
 };
-// Whether bf16 rows take the Unpacked loops: on AVX2, where they cut the bf16 forward's
-// instructions per element by about a third and the backward's by a fifth (see
-// docs/benchmarks.md). AVX512-BF16 rounds with one instruction, and plain AVX-512 was not
-// measured.
+// Whether bf16 rows take the Unpacked loops: on AVX2 only, where they cut the instructions per
+// element (docs/perf-notes.md); AVX512-BF16 rounds with one instruction.
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr bool kUnpackedRows = true;
 #else
