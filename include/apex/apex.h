@@ -8,6 +8,7 @@
 #include <apex/amp/options.h>
 #include <apex/amp/scale_loss.h>
 #include <apex/amp/utils.h>
+#include <apex/io.h>
 #include <apex/normalization.h>
 #include <apex/optim.h>
 #include <apex/parallel.h>

@@ -7,7 +7,9 @@
 #include <ATen/ops/_foreach_copy.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/full.h>
+#include <apex/io.h>
 #include <apex/optim/fused_optimizer.h>
+#include <apex/serialize.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -765,17 +767,28 @@ void Amp::load_state_dict(const StateDict& state) {
 }
 
 void Amp::save(const std::string& path) {
-  apex::detail::write_file_atomic(path, apex::detail::pickle_save(state_dict()));
+  const auto bytes = apex::detail::pickle_save(state_dict(), "amp");
+  apex::write_file_atomic(path, std::string_view(bytes.data(), bytes.size()));
 }
 
 void Amp::load(const std::string& path) {
-  const c10::IValue v = apex::detail::pickle_load(apex::detail::read_file(path));
-  TORCH_CHECK(v.isGenericDict(), "Amp::load: '", path, "' does not hold an amp state dict");
+  const c10::IValue v = apex::detail::load_state_file(
+      path, "amp", "Amp::load",
+      "an Amp state (Amp::save, or Python's amp.state_dict() saved by torch.save)");
+  TORCH_CHECK(v.isGenericDict(), "Amp::load: '", path, "' holds a ", v.tagKind(),
+              ", expected an Amp state dict");
   StateDict d = make_state_dict();
   for (const auto& e : v.toGenericDict()) {
     TORCH_CHECK(e.key().isString(), "Amp::load: '", path, "' has a non-string key");
     d.insert(e.key().toStringRef(), e.value());
   }
+  // A dict of another kind (no kind record: e.g. written from Python) says what it looks like.
+  TORCH_CHECK(!d.contains("scale") || d.contains("loss_scaler0"), "Amp::load: '", path,
+              "' holds a GradScaler state (keys scale, growth_factor, ...), expected an Amp state "
+              "(keys loss_scaler0, ...)");
+  TORCH_CHECK(!d.contains("param_groups"), "Amp::load: '", path,
+              "' holds an optimizer state (keys state, param_groups), expected an Amp state "
+              "(keys loss_scaler0, ...)");
   load_state_dict(d);
 }
 

@@ -5,7 +5,9 @@
 
 #include <ATen/ops/_amp_update_scale.h>
 #include <ATen/ops/full.h>
+#include <apex/io.h>
 #include <apex/optim/fused_optimizer.h>
+#include <apex/serialize.h>
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 #include <torch/optim/optimizer.h>
@@ -271,11 +273,15 @@ void GradScaler::load_state_dict(const StateDict& state) {
 }
 
 void GradScaler::save(const std::string& path) const {
-  apex::detail::write_file_atomic(path, apex::detail::pickle_save(state_dict()));
+  const auto bytes = apex::detail::pickle_save(state_dict(), "grad_scaler");
+  apex::write_file_atomic(path, std::string_view(bytes.data(), bytes.size()));
 }
 
 void GradScaler::load(const std::string& path) {
-  const c10::IValue v = apex::detail::pickle_load(apex::detail::read_file(path));
+  const c10::IValue v = apex::detail::load_state_file(
+      path, "grad_scaler", "GradScaler::load",
+      "a GradScaler state (GradScaler::save, or Python's GradScaler.state_dict() saved by "
+      "torch.save)");
   TORCH_CHECK(v.isGenericDict(), "GradScaler::load: '", path,
               "' does not hold a dict (expected GradScaler.state_dict()), got ", v.tagKind());
   StateDict d = make_state_dict();
@@ -283,6 +289,12 @@ void GradScaler::load(const std::string& path) {
     TORCH_CHECK(e.key().isString(), "GradScaler::load: '", path, "' has a non-string key");
     d.insert(e.key().toStringRef(), e.value());
   }
+  TORCH_CHECK(!d.contains("loss_scaler0"), "GradScaler::load: '", path,
+              "' holds an Amp state (keys loss_scaler0, ...), expected a GradScaler state (keys "
+              "scale, growth_factor, ...)");
+  TORCH_CHECK(!d.contains("param_groups"), "GradScaler::load: '", path,
+              "' holds an optimizer state (keys state, param_groups), expected a GradScaler "
+              "state (keys scale, growth_factor, ...)");
   load_state_dict(d);
 }
 

@@ -99,10 +99,26 @@ void LossScaler::load_state_dict(const StateDict& state) {
               "LossScaler::load_state_dict: loss_scale must be finite and > 0, got ", scale);
   const int64_t unskipped = int_entry(state, "unskipped", 0);
   const int64_t hysteresis_left = int_entry(state, "hysteresis_left", options_.hysteresis());
-  TORCH_CHECK(unskipped >= 0, "LossScaler::load_state_dict: unskipped must be >= 0, got ",
-              unskipped);
-  TORCH_CHECK(hysteresis_left >= 0,
-              "LossScaler::load_state_dict: hysteresis_left must be >= 0, got ", hysteresis_left);
+  if (options_.dynamic()) {
+    // A dynamic scale never leaves [min_scale, max_scale], nor its counters their ranges: a value
+    // outside them was not written by a scaler with these options.
+    const double floor = options_.min_scale().value_or(0.0);
+    TORCH_CHECK(scale <= options_.max_scale() && scale >= floor,
+                "LossScaler::load_state_dict: loss_scale ", scale, " is outside [",
+                floor > 0 ? floor : 0.0, ", max_scale=", options_.max_scale(),
+                "] of this dynamic scaler");
+    TORCH_CHECK(unskipped >= 0 && unskipped < options_.growth_interval(),
+                "LossScaler::load_state_dict: unskipped must be in [0, growth_interval=",
+                options_.growth_interval(), "), got ", unskipped);
+    TORCH_CHECK(hysteresis_left >= 0 && hysteresis_left <= options_.hysteresis(),
+                "LossScaler::load_state_dict: hysteresis_left must be in [0, hysteresis=",
+                options_.hysteresis(), "], got ", hysteresis_left);
+  } else {
+    TORCH_CHECK(unskipped >= 0, "LossScaler::load_state_dict: unskipped must be >= 0, got ",
+                unskipped);
+    TORCH_CHECK(hysteresis_left >= 0,
+                "LossScaler::load_state_dict: hysteresis_left must be >= 0, got ", hysteresis_left);
+  }
   scale_ = scale;
   unskipped_ = unskipped;
   hysteresis_left_ = hysteresis_left;

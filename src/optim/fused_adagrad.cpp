@@ -7,6 +7,7 @@
 #include <map>
 
 #include "bridge/bridge.h"
+#include "optim/archive.h"
 #include "optim/python_state.h"
 #include "optim/state.h"
 
@@ -83,7 +84,7 @@ bool FusedAdagrad::set_grad_none() const {
 }
 
 void FusedAdagrad::fused_step(const GradScaling& scaling) {
-  for (const auto& g : param_groups_) validate(options_of(g));
+  check_options();
   const auto groups = collect(kWho);
   for (const auto& entries : groups) {
     if (!entries.empty() && found_inf_on_host(scaling.found_inf)) return;
@@ -127,11 +128,33 @@ void FusedAdagrad::fused_step(const GradScaling& scaling) {
 }
 
 void FusedAdagrad::save(torch::serialize::OutputArchive& archive) const {
-  torch::optim::serialize<FusedAdagradParamState, FusedAdagradOptions>(archive, *this);
+  save_archive<FusedAdagradParamState, FusedAdagradOptions>(archive);
 }
 
 void FusedAdagrad::load(torch::serialize::InputArchive& archive) {
-  torch::optim::serialize<FusedAdagradParamState, FusedAdagradOptions>(archive, *this);
+  load_archive<FusedAdagradParamState, FusedAdagradOptions>(archive);
+}
+
+void FusedAdagrad::check_options() const {
+  for (const auto& g : param_groups_) validate(options_of(g));
+}
+
+std::vector<double> FusedAdagrad::option_values(
+    const torch::optim::OptimizerOptions& options) const {
+  const auto& o = static_cast<const FusedAdagradOptions&>(options);
+  return {static_cast<double>(o.lr()),
+          static_cast<double>(o.lr_decay()),
+          static_cast<double>(o.weight_decay()),
+          static_cast<double>(o.initial_accumulator_value()),
+          static_cast<double>(o.eps()),
+          static_cast<double>(o.adagrad_w_mode()),
+          static_cast<double>(o.set_grad_none()),
+          static_cast<double>(o.master_weights())};
+}
+
+std::vector<double> FusedAdagrad::state_values(
+    const torch::optim::OptimizerParamState& state) const {
+  return {static_cast<double>(static_cast<const FusedAdagradParamState&>(state).step())};
 }
 
 StateDict FusedAdagrad::python_state_dict() const {

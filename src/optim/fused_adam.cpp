@@ -7,6 +7,7 @@
 #include <torch/serialize/archive.h>
 
 #include "bridge/bridge.h"
+#include "optim/archive.h"
 #include "optim/python_state.h"
 #include "optim/state.h"
 
@@ -111,7 +112,7 @@ int64_t FusedAdam::step_count(size_t group) const {
 }
 
 void FusedAdam::fused_step(const GradScaling& scaling) {
-  for (const auto& g : param_groups_) validate(options_of(g));
+  check_options();
   const auto groups = collect(kWho);
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const auto& entries = groups[gi];
@@ -211,12 +212,36 @@ void FusedAdam::sync_steps_from_state() {
 
 void FusedAdam::save(torch::serialize::OutputArchive& archive) const {
   sync_steps_to_state();
-  torch::optim::serialize<FusedAdamParamState, FusedAdamOptions>(archive, *this);
+  save_archive<FusedAdamParamState, FusedAdamOptions>(archive);
 }
 
 void FusedAdam::load(torch::serialize::InputArchive& archive) {
-  torch::optim::serialize<FusedAdamParamState, FusedAdamOptions>(archive, *this);
-  sync_steps_from_state();
+  // The counters live on the device: into the state first, so that a failed load restores them.
+  sync_steps_to_state();
+  load_archive<FusedAdamParamState, FusedAdamOptions>(archive, [&] { sync_steps_from_state(); });
+}
+
+void FusedAdam::check_options() const {
+  for (const auto& g : param_groups_) validate(options_of(g));
+}
+
+std::vector<double> FusedAdam::option_values(const torch::optim::OptimizerOptions& options) const {
+  const auto& o = static_cast<const FusedAdamOptions&>(options);
+  return {static_cast<double>(o.lr()),
+          std::get<0>(o.betas()),
+          std::get<1>(o.betas()),
+          static_cast<double>(o.eps()),
+          static_cast<double>(o.weight_decay()),
+          static_cast<double>(o.adam_w_mode()),
+          static_cast<double>(o.bias_correction()),
+          static_cast<double>(o.amsgrad()),
+          static_cast<double>(o.set_grad_none()),
+          static_cast<double>(o.capturable()),
+          static_cast<double>(o.master_weights())};
+}
+
+std::vector<double> FusedAdam::state_values(const torch::optim::OptimizerParamState& state) const {
+  return {static_cast<double>(static_cast<const FusedAdamParamState&>(state).step())};
 }
 
 StateDict FusedAdam::python_state_dict() const {

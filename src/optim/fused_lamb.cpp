@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "bridge/bridge.h"
+#include "optim/archive.h"
 #include "optim/state.h"
 
 namespace apex::optim {
@@ -16,7 +17,11 @@ namespace {
 
 constexpr const char* kWho = "FusedLAMB";
 
-void validate(const FusedLAMBOptions& o) { detail::check_adam_style(kWho, o); }
+void validate(const FusedLAMBOptions& o) {
+  detail::check_adam_style(kWho, o);
+  // 0 turns clipping off; a negative or NaN bound has no meaning.
+  detail::check_non_negative(kWho, "max_grad_norm", o.max_grad_norm());
+}
 
 const FusedLAMBOptions& options_of(const torch::optim::OptimizerParamGroup& g) {
   return static_cast<const FusedLAMBOptions&>(g.options());
@@ -86,7 +91,7 @@ bool FusedLAMB::set_grad_none() const {
 }
 
 void FusedLAMB::fused_step(const GradScaling& scaling) {
-  for (const auto& g : param_groups_) validate(options_of(g));
+  check_options();
   const auto groups = collect(kWho);
   std::vector<at::Tensor> all_grads;
   for (const auto& entries : groups) {
@@ -163,11 +168,35 @@ void FusedLAMB::fused_step(const GradScaling& scaling) {
 }
 
 void FusedLAMB::save(torch::serialize::OutputArchive& archive) const {
-  torch::optim::serialize<FusedLAMBParamState, FusedLAMBOptions>(archive, *this);
+  save_archive<FusedLAMBParamState, FusedLAMBOptions>(archive);
 }
 
 void FusedLAMB::load(torch::serialize::InputArchive& archive) {
-  torch::optim::serialize<FusedLAMBParamState, FusedLAMBOptions>(archive, *this);
+  load_archive<FusedLAMBParamState, FusedLAMBOptions>(archive);
+}
+
+void FusedLAMB::check_options() const {
+  for (const auto& g : param_groups_) validate(options_of(g));
+}
+
+std::vector<double> FusedLAMB::option_values(const torch::optim::OptimizerOptions& options) const {
+  const auto& o = static_cast<const FusedLAMBOptions&>(options);
+  return {static_cast<double>(o.lr()),
+          std::get<0>(o.betas()),
+          std::get<1>(o.betas()),
+          static_cast<double>(o.eps()),
+          static_cast<double>(o.weight_decay()),
+          static_cast<double>(o.bias_correction()),
+          static_cast<double>(o.adam_w_mode()),
+          static_cast<double>(o.grad_averaging()),
+          static_cast<double>(o.max_grad_norm()),
+          static_cast<double>(o.use_nvlamb()),
+          static_cast<double>(o.set_grad_none()),
+          static_cast<double>(o.master_weights())};
+}
+
+std::vector<double> FusedLAMB::state_values(const torch::optim::OptimizerParamState& state) const {
+  return {static_cast<double>(static_cast<const FusedLAMBParamState&>(state).step())};
 }
 
 }  // namespace apex::optim

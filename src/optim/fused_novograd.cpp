@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "bridge/bridge.h"
+#include "optim/archive.h"
 #include "optim/state.h"
 
 namespace apex::optim {
@@ -93,7 +94,7 @@ bool FusedNovoGrad::set_grad_none() const {
 }
 
 void FusedNovoGrad::fused_step(const GradScaling& scaling) {
-  for (const auto& g : param_groups_) validate(options_of(g));
+  check_options();
   const auto groups = collect(kWho);
   bool any = false;
   for (const auto& entries : groups) any = any || !entries.empty();
@@ -163,11 +164,37 @@ void FusedNovoGrad::fused_step(const GradScaling& scaling) {
 }
 
 void FusedNovoGrad::save(torch::serialize::OutputArchive& archive) const {
-  torch::optim::serialize<FusedNovoGradParamState, FusedNovoGradOptions>(archive, *this);
+  save_archive<FusedNovoGradParamState, FusedNovoGradOptions>(archive);
 }
 
 void FusedNovoGrad::load(torch::serialize::InputArchive& archive) {
-  torch::optim::serialize<FusedNovoGradParamState, FusedNovoGradOptions>(archive, *this);
+  load_archive<FusedNovoGradParamState, FusedNovoGradOptions>(archive);
+}
+
+void FusedNovoGrad::check_options() const {
+  for (const auto& g : param_groups_) validate(options_of(g));
+}
+
+std::vector<double> FusedNovoGrad::option_values(
+    const torch::optim::OptimizerOptions& options) const {
+  const auto& o = static_cast<const FusedNovoGradOptions&>(options);
+  return {static_cast<double>(o.lr()),
+          std::get<0>(o.betas()),
+          std::get<1>(o.betas()),
+          static_cast<double>(o.eps()),
+          static_cast<double>(o.weight_decay()),
+          static_cast<double>(o.bias_correction()),
+          static_cast<double>(o.reg_inside_moment()),
+          static_cast<double>(o.grad_averaging()),
+          static_cast<double>(o.norm_type()),
+          static_cast<double>(o.init_zero()),
+          static_cast<double>(o.set_grad_none()),
+          static_cast<double>(o.master_weights())};
+}
+
+std::vector<double> FusedNovoGrad::state_values(
+    const torch::optim::OptimizerParamState& state) const {
+  return {static_cast<double>(static_cast<const FusedNovoGradParamState&>(state).step())};
 }
 
 }  // namespace apex::optim

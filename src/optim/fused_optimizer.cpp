@@ -2,12 +2,15 @@
 
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
+#include <torch/serialize/archive.h>
 
+#include <cstring>
 #include <map>
 #include <unordered_map>
 #include <utility>
 
 #include "bridge/bridge.h"
+#include "common/archive.h"
 
 namespace apex::optim {
 
@@ -126,6 +129,109 @@ void FusedOptimizer::replace_loaded_state(LoadedOptions options, LoadedStates st
   }
   state_.clear();
   for (auto& [p, st] : states) state_[p.unsafeGetTensorImpl()] = std::move(st);
+}
+
+namespace {
+
+constexpr const char* kKindKey = "apex_kind";
+constexpr const char* kChecksumKey = "apex_state_crc32";
+
+template <class T>
+uint32_t crc_of(const T& value, uint32_t crc) {
+  return detail::crc32(&value, sizeof(value), crc);
+}
+
+}  // namespace
+
+uint32_t FusedOptimizer::state_checksum() const {
+  uint32_t crc = 0;
+  for (const auto& group : param_groups_) {
+    for (double v : option_values(group.options())) crc = crc_of(v, crc);
+    for (const auto& p : group.params()) {
+      auto it = state_.find(p.unsafeGetTensorImpl());
+      const uint8_t present = it != state_.end() ? 1 : 0;
+      crc = crc_of(present, crc);
+      if (present == 0) continue;
+      for (double v : state_values(*it->second)) crc = crc_of(v, crc);
+      for (const at::Tensor& t : elementwise_state(*it->second)) {
+        const uint8_t defined = t.defined() ? 1 : 0;
+        crc = crc_of(defined, crc);
+        if (defined == 0) continue;
+        for (int64_t d : t.sizes()) crc = crc_of(d, crc);
+        const at::Tensor c = t.to(at::kCPU).contiguous();
+        crc = detail::crc32(c.data_ptr(), static_cast<size_t>(c.nbytes()), crc);
+      }
+    }
+  }
+  return crc;
+}
+
+void FusedOptimizer::write_integrity(torch::serialize::OutputArchive& archive) const {
+  archive.write(kKindKey, c10::IValue(std::string(kind())));
+  archive.write(kChecksumKey, c10::IValue(static_cast<int64_t>(state_checksum())));
+}
+
+void FusedOptimizer::load_transaction(torch::serialize::InputArchive& archive,
+                                      const std::function<void()>& read,
+                                      const std::function<void()>& after) {
+  const std::string who = std::string(kind()) + "::load";
+  c10::IValue kind_value;
+  if (archive.try_read(kKindKey, kind_value)) {
+    TORCH_CHECK(kind_value.isString() && kind_value.toStringRef() == kind(), who,
+                ": the archive holds the state of a ",
+                kind_value.isString() ? kind_value.toStringRef() : std::string("?"),
+                ", expected a ", kind(), " state");
+  }
+  c10::IValue stored;
+  const bool has_checksum = archive.try_read(kChecksumKey, stored);
+  // Everything read below is put back if any check fails.
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> options;
+  for (const auto& g : param_groups_) options.push_back(g.options().clone());
+  decltype(state_) state;
+  for (const auto& [key, value] : state_) state[key] = value->clone();
+  try {
+    try {
+      read();
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, who, ": the archive does not hold a ", kind(),
+                  " state of this optimizer's parameters (", e.what_without_backtrace(), ")");
+    }
+    // A damaged archive can name one saved state for two parameters; LibTorch then leaves the
+    // second without one (a moved-from entry).
+    for (const auto& [key, value] : state_) {
+      TORCH_CHECK(value != nullptr, who,
+                  ": the archive is damaged: it gives one state to two parameters");
+    }
+    check_options();
+    for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
+      const auto& params = param_groups_[gi].params();
+      for (size_t i = 0; i < params.size(); ++i) {
+        auto it = state_.find(params[i].unsafeGetTensorImpl());
+        if (it == state_.end()) continue;
+        for (const at::Tensor& t : elementwise_state(*it->second)) {
+          TORCH_CHECK(!t.defined() || t.sizes() == params[i].sizes(), who,
+                      ": the loaded state of parameter ", i, " of group ", gi, " has shape ",
+                      t.sizes(), " but the parameter has shape ", params[i].sizes(),
+                      " (the archive belongs to another model)");
+        }
+      }
+    }
+    if (after) after();
+    if (has_checksum) {
+      const uint32_t actual = state_checksum();
+      TORCH_CHECK(stored.isInt() && static_cast<uint32_t>(stored.toInt()) == actual, who,
+                  ": the archive is corrupted: its options and state do not match their stored "
+                  "CRC-32");
+    }
+  } catch (...) {
+    for (size_t gi = 0; gi < options.size(); ++gi) {
+      param_groups_[gi].set_options(std::move(options[gi]));
+    }
+    state_ = std::move(state);
+    // Device copies of the state (FusedAdam's step counters) follow the restored state.
+    if (after) after();
+    throw;
+  }
 }
 
 bool FusedOptimizer::found_inf_on_host(const at::Tensor& found_inf) {

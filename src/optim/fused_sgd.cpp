@@ -4,6 +4,7 @@
 #include <torch/serialize/archive.h>
 
 #include "bridge/bridge.h"
+#include "optim/archive.h"
 #include "optim/python_state.h"
 #include "optim/state.h"
 
@@ -79,7 +80,7 @@ bool FusedSGD::set_grad_none() const {
 }
 
 void FusedSGD::fused_step(const GradScaling& scaling) {
-  for (const auto& g : param_groups_) validate(options_of(g));
+  check_options();
   const auto groups = collect(kWho);
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     if (groups[gi].empty()) continue;
@@ -138,11 +139,27 @@ void FusedSGD::fused_step(const GradScaling& scaling) {
 }
 
 void FusedSGD::save(torch::serialize::OutputArchive& archive) const {
-  torch::optim::serialize<FusedSGDParamState, FusedSGDOptions>(archive, *this);
+  save_archive<FusedSGDParamState, FusedSGDOptions>(archive);
 }
 
 void FusedSGD::load(torch::serialize::InputArchive& archive) {
-  torch::optim::serialize<FusedSGDParamState, FusedSGDOptions>(archive, *this);
+  load_archive<FusedSGDParamState, FusedSGDOptions>(archive);
+}
+
+void FusedSGD::check_options() const {
+  for (const auto& g : param_groups_) validate(options_of(g));
+}
+
+std::vector<double> FusedSGD::option_values(const torch::optim::OptimizerOptions& options) const {
+  const auto& o = static_cast<const FusedSGDOptions&>(options);
+  return {static_cast<double>(o.lr()),
+          static_cast<double>(o.momentum()),
+          static_cast<double>(o.dampening()),
+          static_cast<double>(o.weight_decay()),
+          static_cast<double>(o.nesterov()),
+          static_cast<double>(o.wd_after_momentum()),
+          static_cast<double>(o.set_grad_none()),
+          static_cast<double>(o.master_weights())};
 }
 
 StateDict FusedSGD::python_state_dict() const {

@@ -12,12 +12,12 @@
 #include <apex/amp/cpu_half.h>
 #include <apex/amp/utils.h>
 
-#include "common/test_util.h"
 #include "train/cli.h"
 #include "train/data.h"
 #include "train/json.h"
 #include "train/report.h"
 #include "train/trainer.h"
+#include "train_test_util.h"
 
 namespace apex::test {
 namespace {
@@ -28,48 +28,6 @@ using apex::train::parse_cli;
 using apex::train::TrainOptions;
 
 using TrainFiles = TempDirTest;
-
-// Small, fast settings per family (seconds per run on 2 cores).
-TrainOptions tiny(const std::string& family, const std::string& level) {
-  TrainOptions o;
-  o.model.family = family;
-  o.model.width = family == "resnet" ? 8 : family == "mlp" ? 64 : 32;
-  o.model.depth = 1;
-  o.model.heads = 2;
-  o.opt_level = level;
-  o.train_size = 512;
-  o.test_size = 64;
-  o.seq_len = 16;
-  o.image_size = 16;
-  o.samples = 1000;
-  o.batch_size = 32;
-  o.steps = 24;
-  o.warmup = 2;
-  o.lr = 3e-3;
-  o.log_every = 4;
-  o.progress = false;
-  return o;
-}
-
-// Results: run `command`, capture stdout+stderr and the exit status.
-struct Proc {
-  int status;
-  std::string out;
-};
-Proc run(const std::string& command) {
-  std::string out;
-  FILE* p = popen((command + " 2>&1").c_str(), "r");
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  const int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
 
 // ---- command line ------------------------------------------------------------------------------
 
@@ -181,7 +139,7 @@ TEST(TrainCli, BadInput) {
 // ---- every family at every level ---------------------------------------------------------------
 
 TEST(TrainModels, EveryFamilyLearnsAtEveryLevel) {
-  for (const std::string family : {"mlp", "resnet", "transformer", "wav2vec2"}) {
+  for (const std::string& family : apex::train::model_family_names()) {
     const auto data = apex::train::load_data(tiny(family, "O0"));
     for (const std::string level : {"fp32", "O0", "O1", "O2", "O3"}) {
       const auto s = apex::train::train(tiny(family, level), data);
@@ -251,27 +209,6 @@ TEST(TrainModels, LossScaleStuckAtItsFloorStopsWithAMessage) {
 // ---- checkpoints ------------------------------------------------------------------------------
 
 // Every tensor of an archive, nested sub-archives (submodules) included, by dotted key.
-void collect(torch::serialize::InputArchive& a, const std::string& prefix,
-             std::map<std::string, at::Tensor>& out) {
-  for (const auto& key : a.keys()) {
-    at::Tensor t;
-    torch::serialize::InputArchive sub;
-    if (a.try_read(key, t)) {
-      out[prefix + key] = t;
-    } else if (a.try_read(key, sub)) {
-      collect(sub, prefix + key + ".", out);
-    }
-  }
-}
-
-std::map<std::string, at::Tensor> archive_tensors(const std::string& file) {
-  torch::serialize::InputArchive a;
-  a.load_from(file);
-  std::map<std::string, at::Tensor> out;
-  collect(a, "", out);
-  return out;
-}
-
 TEST_F(TrainFiles, ResumeIsBitIdentical) {
   for (const auto& [family, level] : std::vector<std::pair<std::string, std::string>>{
            {"resnet", "O2"}, {"transformer", "O1"}, {"mlp", "O3"}, {"mlp", "fp32"}}) {

@@ -1,6 +1,7 @@
 #include "bench_common.h"
 
 #include <ATen/Parallel.h>
+#include <apex/io.h>
 #include <apex/optim/multi_tensor.h>
 #include <torch/cuda.h>
 #include <torch/types.h>
@@ -9,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 
 namespace apex::bench {
 
@@ -194,7 +196,7 @@ void report(const Config& cfg, const std::string& area, const std::vector<Row>& 
     }
   }
   if (cfg.json.empty()) return;  // JSON only where --json asks for it
-  std::ofstream out(cfg.json);
+  std::ostringstream out;
   out << "{\"area\": \"" << area << "\", \"device\": \"" << cfg.device.str()
       << "\", \"threads\": " << threads << ", \"cpu_isa\": \"" << apex::optim::cpu_kernel_isa()
       << "\", \"repeats\": " << cfg.repeats << ", \"rows\": [";
@@ -211,6 +213,7 @@ void report(const Config& cfg, const std::string& area, const std::vector<Row>& 
     out << "}";
   }
   out << "]}\n";
+  apex::write_file_atomic(cfg.json, out.str());
   std::printf("results written to %s\n", cfg.json.c_str());
 }
 

@@ -137,7 +137,11 @@ output
   --plot FILE.svg       the loss curves of every level on one chart
   --checkpoint DIR      save model, optimizer and amp state (atomically) at the end
   --checkpoint-every N  ... and every N steps
-  --resume              continue from the checkpoint in --checkpoint DIR (bit-identically)
+  --resume              continue from the checkpoint in --checkpoint DIR (bit-identically);
+                        every file is checked against the checkpoint's manifest first, and
+                        the run's settings against the checkpoint's (docs/reliability.md)
+  --resume-from step-N  ... from that step folder of DIR instead of the one `latest` names
+  --resume-with-changes resume although seed, data, batch, schedule or steps differ
   --stop-after N        stop after step N as if interrupted (checkpoint first): tests resume
   --no-progress         no progress bar or lines
 distributed (Gloo over TCP; docs/distributed.md)
@@ -164,9 +168,12 @@ Cli parse_cli(const std::vector<std::string>& args) {
       cli.help = true;
       continue;
     }
-    if (flag == "--resume" || flag == "--no-progress" || flag == "--ddp" || flag == "--sync-bn") {
+    if (flag == "--resume" || flag == "--no-progress" || flag == "--ddp" || flag == "--sync-bn" ||
+        flag == "--resume-with-changes") {
       if (flag == "--resume") {
         o.resume = true;
+      } else if (flag == "--resume-with-changes") {
+        o.resume_with_changes = true;
       } else if (flag == "--ddp") {
         o.ddp = true;
       } else if (flag == "--sync-bn") {
@@ -265,6 +272,13 @@ Cli parse_cli(const std::vector<std::string>& args) {
       cli.plot = v;
     } else if (flag == "--checkpoint") {
       o.checkpoint = v;
+    } else if (flag == "--resume-from") {
+      TORCH_CHECK(v.size() > 5 && v.rfind("step-", 0) == 0 &&
+                      v.find_first_not_of("0123456789", 5) == std::string::npos,
+                  "apex-train: --resume-from expects a folder name step-N of --checkpoint, got '",
+                  v, "'");
+      o.resume_from = v;
+      o.resume = true;
     } else if (flag == "--checkpoint-every") {
       o.checkpoint_every = to_int(flag, v, 1, kMaxSteps);
     } else if (flag == "--stop-after") {

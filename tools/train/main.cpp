@@ -1,5 +1,6 @@
 // apex-train: trains a model with apex-cpp's mixed precision, at one opt level or several side by
 // side (--compare), on built-in or real data. See `apex-train --help` and docs/train.md.
+#include <apex/io.h>
 #include <c10/util/Exception.h>
 #include <fcntl.h>
 #include <sys/wait.h>
@@ -18,7 +19,6 @@
 
 #include "train/cli.h"
 #include "train/data.h"
-#include "train/files.h"
 #include "train/json.h"
 #include "train/net.h"
 #include "train/report.h"
@@ -170,14 +170,19 @@ int run_ranks(const Cli& cli) {
 }
 
 int run(const Cli& cli) {
-  apex::train::check_device(cli.train);  // before any data is loaded or rank started
+  // Before any data is loaded or rank started: a bad device or output path fails at once.
+  apex::train::check_device(cli.train);
+  apex::train::check_fits(cli.train);
+  if (!cli.plot.empty()) apex::check_writable(cli.plot, "apex-train: --plot");
+  if (!cli.summary_out.empty()) apex::check_writable(cli.summary_out, "apex-train: --summary-out");
+  apex::train::check_outputs(cli.train);
   if (cli.compare.empty() && cli.nproc > 0) return run_ranks(cli);
   if (cli.compare.empty()) {
     const auto data = apex::train::load_data(cli.train);
     const Summary s = apex::train::train(cli.train, data);
     if (s.rank != 0) return 0;  // rank 0 reports for the group
     if (!cli.summary_out.empty()) {
-      apex::train::write_file_atomic(cli.summary_out, apex::train::to_json(s) + "\n");
+      apex::write_file_atomic(cli.summary_out, apex::train::to_json(s) + "\n");
       return 0;  // a --compare child: the parent prints
     }
     std::printf("%s\n%s", s.model.c_str(), apex::train::compare_table({s}).c_str());
@@ -215,7 +220,7 @@ int run(const Cli& cli) {
       std::ifstream m(work / (level + ".metrics.jsonl"));
       all.append(std::istreambuf_iterator<char>(m), std::istreambuf_iterator<char>());
     }
-    apex::train::write_file_atomic(cli.train.metrics, all);
+    apex::write_file_atomic(cli.train.metrics, all);
   }
   if (!cli.plot.empty()) apex::train::write_svg(cli.plot, runs);
   return 0;

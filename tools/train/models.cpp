@@ -259,6 +259,15 @@ std::shared_ptr<Classifier> make(const ModelConfig& c, const Dataset& data) {
   return std::make_shared<Model>(c, data);
 }
 
+// Dominant parameter counts: hidden layers; 3x3 convolutions over three stages of w, 2w, 4w
+// channels; attention and MLP blocks (4 d^2 + 8 d^2 per layer).
+double width2(const ModelConfig& c) { return static_cast<double>(c.width) * c.width; }
+double mlp_parameters(const ModelConfig& c) {
+  return width2(c) * static_cast<double>(std::max<int64_t>(c.depth - 1, 0)) + c.width;
+}
+double resnet_parameters(const ModelConfig& c) { return 378.0 * width2(c) * c.depth; }
+double encoder_parameters(const ModelConfig& c) { return 12.0 * width2(c) * c.depth; }
+
 }  // namespace
 
 const std::vector<ModelFamily>& model_families() {
@@ -272,6 +281,7 @@ const std::vector<ModelFamily>& model_families() {
        .width_means = "hidden units",
        .depth_means = "hidden layers",
        .default_steps = 300,
+       .min_parameters = mlp_parameters,
        .make = make<Mlp>},
       {.name = "resnet",
        .accepts = "image",
@@ -282,6 +292,7 @@ const std::vector<ModelFamily>& model_families() {
        .width_means = "base channels",
        .depth_means = "blocks per stage",
        .default_steps = 150,
+       .min_parameters = resnet_parameters,
        .make = make<ResNet>},
       {.name = "transformer",
        .accepts = "tokens",
@@ -292,6 +303,7 @@ const std::vector<ModelFamily>& model_families() {
        .width_means = "model dim",
        .depth_means = "encoder layers",
        .default_steps = 160,
+       .min_parameters = encoder_parameters,
        .make = make<Transformer>},
       {.name = "wav2vec2",
        .accepts = "audio",
@@ -302,6 +314,7 @@ const std::vector<ModelFamily>& model_families() {
        .width_means = "model dim",
        .depth_means = "encoder layers",
        .default_steps = 150,
+       .min_parameters = encoder_parameters,
        .make = make<Wav2Vec2>},
   };
   return families;

@@ -47,6 +47,9 @@ struct ModelFamily {
   std::string width_means;  ///< what --width and --depth count, for --help
   std::string depth_means;
   int64_t default_steps = 0;  ///< steps when neither --steps nor --epochs: ~1 min per level
+  /// A lower bound of the parameter count for these sizes (the dominant terms), in double so that
+  /// absurd sizes cannot overflow: checked against the machine's memory before anything is built.
+  double (*min_parameters)(const ModelConfig&) = nullptr;
   std::shared_ptr<Classifier> (*make)(const ModelConfig&, const Dataset&) = nullptr;
 };
 

@@ -1,11 +1,11 @@
 #include "train/report.h"
 
+#include <apex/io.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <sstream>
-
-#include "train/files.h"
 
 namespace apex::train {
 
@@ -133,7 +133,7 @@ void write_svg(const std::string& path, const std::vector<Summary>& runs) {
     svg << buf << escape(runs[i].level) << "</text>\n";
   }
   svg << "</svg>\n";
-  write_file_atomic(path, svg.str());
+  apex::write_file_atomic(path, svg.str());
 }
 
 }  // namespace apex::train

@@ -5,25 +5,33 @@
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/randperm.h>
 #include <apex/amp/initialize.h>
+#include <apex/io.h>
 #include <apex/optim.h>
 #include <apex/parallel/distributed.h>
 #include <apex/parallel/process_group.h>
+#include <apex/serialize.h>
 #include <c10/util/Exception.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
-#include <torch/serialize/input-archive.h>
-#include <torch/serialize/output-archive.h>
 
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <random>
 #include <sstream>
+#include <utility>
+#include <vector>
+
+#include <unistd.h>
 
 #include "train/data.h"
-#include "train/files.h"
 #include "train/json.h"
 #include "train/progress.h"
 
@@ -97,8 +105,61 @@ std::string signature(const TrainOptions& o, const torch::nn::Module& model) {
   return s.str();
 }
 
-void save_checkpoint(const TrainOptions& o, int64_t step, torch::nn::Module& model,
-                     torch::optim::Optimizer& optimizer, apex::amp::Amp* amp) {
+// The settings that change what a run trains, as JSON values: a resume must match them (unless
+// --resume-with-changes). The model, level and optimizer are in the signature.
+std::vector<std::pair<std::string, std::string>> run_settings(const TrainOptions& o) {
+  const std::string data = o.data.empty() ? model_family(o.model.family).default_data : o.data;
+  return {{"seed", std::to_string(o.seed)},
+          {"data", json::quote(data)},
+          {"data_dir", json::quote(o.data_dir)},
+          {"train_size", std::to_string(o.train_size)},
+          {"test_size", std::to_string(o.test_size)},
+          {"seq_len", std::to_string(o.seq_len)},
+          {"vocab", std::to_string(o.vocab)},
+          {"image_size", std::to_string(o.image_size)},
+          {"samples", std::to_string(o.samples)},
+          {"batch_size", std::to_string(o.batch_size)},
+          {"accumulate", std::to_string(o.accumulate)},
+          {"lr", json::num_exact(o.lr)},
+          {"warmup", std::to_string(o.warmup)},
+          {"steps", std::to_string(o.steps)},
+          {"epochs", std::to_string(o.epochs)},
+          {"weight_decay", json::num_exact(o.weight_decay)},
+          {"clip", json::num_exact(o.clip)}};
+}
+
+constexpr int64_t kCheckpointFormat = 2;
+const char* const kManifest = "manifest.json";
+
+std::string new_run_id() {
+  std::random_device rd;
+  const uint64_t v = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  char buf[24];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string file_entry(const std::string& bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "size=%zu crc32=0x%08x", bytes.size(),
+                static_cast<unsigned>(apex::crc32(bytes)));
+  return buf;
+}
+
+// "step-N" -> N, or -1 when `name` is not such a folder name.
+int64_t step_of_folder(const std::string& name) {
+  if (name.rfind("step-", 0) != 0 || name.size() <= 5 || name.size() > 5 + 18) return -1;
+  int64_t n = 0;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (!std::isdigit(static_cast<unsigned char>(name[i]))) return -1;
+    n = n * 10 + (name[i] - '0');
+  }
+  return name[5] == '0' ? -1 : n;
+}
+
+void save_checkpoint(const TrainOptions& o, int64_t step, const std::string& run,
+                     torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                     apex::amp::Amp* amp) {
   const fs::path dir(o.checkpoint);
   const fs::path tmp = dir / (".tmp-step-" + std::to_string(step));
   const fs::path final_dir = dir / ("step-" + std::to_string(step));
@@ -106,29 +167,35 @@ void save_checkpoint(const TrainOptions& o, int64_t step, torch::nn::Module& mod
     fs::create_directories(dir);
     fs::remove_all(tmp);
     fs::create_directories(tmp);
-    {
-      torch::serialize::OutputArchive a;
-      model.save(a);
-      a.save_to((tmp / "model.pt").string());
+    std::vector<std::string> files = {"model.pt", "optimizer.pt"};
+    apex::save_module(model, (tmp / "model.pt").string());
+    apex::save_optimizer(optimizer, (tmp / "optimizer.pt").string());
+    if (amp != nullptr) {
+      amp->save((tmp / "amp.pt").string());
+      files.push_back("amp.pt");
     }
-    {
-      torch::serialize::OutputArchive a;
-      optimizer.save(a);
-      a.save_to((tmp / "optimizer.pt").string());
+    std::string meta = "{\"format\": " + std::to_string(kCheckpointFormat) +
+                       ", \"step\": " + std::to_string(step) + ", \"run\": " + json::quote(run) +
+                       ", \"signature\": " + json::quote(signature(o, model));
+    for (const auto& [key, value] : run_settings(o)) meta += ", \"" + key + "\": " + value;
+    meta += "}\n";
+    apex::write_file_atomic((tmp / "meta.json").string(), meta);
+    files.push_back("meta.json");
+    // The manifest is written last, from the files as they are on disk: a folder without it,
+    // or whose files do not match it, is not a checkpoint.
+    std::string manifest = "{\"format\": " + std::to_string(kCheckpointFormat) +
+                           ", \"step\": " + std::to_string(step) + ", \"run\": " + json::quote(run);
+    for (const auto& f : files) {
+      manifest += ", " + json::quote(f) + ": " +
+                  json::quote(file_entry(apex::read_file((tmp / f).string())));
     }
-    if (amp != nullptr) amp->save((tmp / "amp.pt").string());
-    {
-      std::ofstream meta(tmp / "meta.json");
-      meta << "{\"step\": " << step << ", \"signature\": " << json::quote(signature(o, model))
-           << "}\n";
-      TORCH_CHECK(meta.good(), "apex-train: cannot write ", (tmp / "meta.json").string());
-    }
-    for (const auto& entry : fs::directory_iterator(tmp)) sync_path(entry.path());
-    sync_path(tmp);
+    manifest += "}\n";
+    apex::write_file_atomic((tmp / kManifest).string(), manifest);
+    apex::sync_path(tmp.string());
     fs::remove_all(final_dir);
     fs::rename(tmp, final_dir);
-    write_file_atomic((dir / "latest").string(), final_dir.filename().string() + "\n");
-    sync_path(dir);
+    apex::write_file_atomic((dir / "latest").string(), final_dir.filename().string() + "\n");
+    apex::sync_path(dir.string());
   } catch (const std::exception& e) {
     std::error_code ec;
     fs::remove_all(tmp, ec);
@@ -143,34 +210,174 @@ void save_checkpoint(const TrainOptions& o, int64_t step, torch::nn::Module& mod
   }
 }
 
-// Returns the step to continue from.
+// A checkpoint folder whose every file matches its manifest, with its parsed meta.json.
+struct Checkpoint {
+  fs::path folder;
+  int64_t step = 0;
+  std::string run;
+  json::Object meta;
+  bool has_amp = false;
+};
+
+// Checks `folder` completely (manifest, every file's size and CRC-32, meta.json's fields and
+// their agreement with the manifest and the folder's name) before anything is loaded.
+Checkpoint verify_checkpoint(const fs::path& folder) {
+  const std::string where = folder.string();
+  std::error_code ec;
+  TORCH_CHECK(fs::is_directory(folder, ec), where,
+              " is not a checkpoint folder (it does not exist)");
+  const fs::path manifest_path = folder / kManifest;
+  TORCH_CHECK(fs::exists(manifest_path, ec), where,
+              " has no manifest.json: it is incomplete (a save was interrupted) or was written "
+              "by an older apex-train");
+  const std::string mwhat = manifest_path.string();
+  const json::Object manifest = json::parse_object(apex::read_file(manifest_path.string()), mwhat);
+  TORCH_CHECK(json::int_at(manifest, "format", 0, 1 << 20, mwhat) == kCheckpointFormat, mwhat,
+              ": format ", manifest.at("format").text, ", this apex-train reads format ",
+              kCheckpointFormat);
+  Checkpoint ck;
+  ck.folder = folder;
+  ck.step = json::int_at(manifest, "step", 1, int64_t{1} << 62, mwhat);
+  ck.run = json::string_at(manifest, "run", mwhat);
+  TORCH_CHECK(step_of_folder(folder.filename().string()) == ck.step, mwhat, ": step ", ck.step,
+              " does not match its folder's name ", folder.filename().string(),
+              " (files of different checkpoints mixed?)");
+  for (const auto& [name, field] : manifest) {
+    if (name == "format" || name == "step" || name == "run") continue;
+    TORCH_CHECK(
+        name == "model.pt" || name == "optimizer.pt" || name == "amp.pt" || name == "meta.json",
+        mwhat, ": unexpected entry \"", name, "\"");
+    const std::string want = json::string_at(manifest, name, mwhat);
+    const fs::path file = folder / name;
+    TORCH_CHECK(fs::exists(file, ec), where, ": ", name, " is missing (listed in the manifest)");
+    const std::string got = file_entry(apex::read_file(file.string()));
+    TORCH_CHECK(got == want, file.string(), " does not match the manifest (", got,
+                ", the manifest says ", want,
+                "): the file is corrupted, or comes from another step or run");
+    ck.has_amp = ck.has_amp || name == "amp.pt";
+  }
+  for (const char* name : {"model.pt", "optimizer.pt", "meta.json"}) {
+    TORCH_CHECK(manifest.count(name) == 1, mwhat, ": the entry for ", name, " is missing");
+  }
+  const std::string meta_path = (folder / "meta.json").string();
+  ck.meta = json::parse_object(apex::read_file(meta_path), meta_path);
+  TORCH_CHECK(json::int_at(ck.meta, "format", 0, 1 << 20, meta_path) == kCheckpointFormat,
+              meta_path, ": unknown format");
+  const int64_t meta_step = json::int_at(ck.meta, "step", 1, int64_t{1} << 62, meta_path);
+  TORCH_CHECK(meta_step == ck.step, meta_path, ": step ", meta_step, " but the manifest says ",
+              ck.step);
+  TORCH_CHECK(json::string_at(ck.meta, "run", meta_path) == ck.run, meta_path, ": written by run ",
+              json::string_at(ck.meta, "run", meta_path), " but the manifest is run ", ck.run,
+              " (files of different runs mixed)");
+  json::string_at(ck.meta, "signature", meta_path);
+  return ck;
+}
+
+// The newest step folder of `dir` that verifies completely, or "" when none does.
+std::string newest_complete(const fs::path& dir, const std::string& except) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    const int64_t n = step_of_folder(name);
+    if (n > 0 && name != except) found.emplace_back(n, name);
+  }
+  std::sort(found.rbegin(), found.rend());
+  for (const auto& [n, name] : found) {
+    try {
+      verify_checkpoint(dir / name);
+      return name;
+    } catch (const c10::Error&) {
+    }
+  }
+  return "";
+}
+
+// Returns the step to continue from, and the run's id in `run`.
 int64_t load_checkpoint(const TrainOptions& o, torch::nn::Module& model,
-                        torch::optim::Optimizer& optimizer, apex::amp::Amp* amp) {
+                        torch::optim::Optimizer& optimizer, apex::amp::Amp* amp, std::string& run) {
   const fs::path dir(o.checkpoint);
-  std::ifstream latest(dir / "latest");
-  TORCH_CHECK(latest.good(), "apex-train: --resume: no checkpoint in ", dir.string(), " (missing ",
-              (dir / "latest").string(), ")");
-  std::string name;
-  std::getline(latest, name);
-  const fs::path ck = dir / name;
-  std::ifstream meta_file(ck / "meta.json");
-  TORCH_CHECK(meta_file.good(), "apex-train: --resume: ", (ck / "meta.json").string(),
-              " is missing");
-  const std::string meta((std::istreambuf_iterator<char>(meta_file)),
-                         std::istreambuf_iterator<char>());
-  const std::string theirs = json::get_string(meta, "signature");
+  const std::string who = "apex-train: --resume: ";
+  std::string name = o.resume_from;
+  if (name.empty()) {
+    std::error_code ec;
+    std::string why = "it is missing";
+    if (fs::exists(dir / "latest", ec)) {
+      try {
+        const std::string text = apex::read_file((dir / "latest").string());
+        const size_t nl = text.find('\n');
+        name = text.substr(0, nl);
+        if (nl == std::string::npos || nl + 1 != text.size() || step_of_folder(name) < 0) {
+          why = "it does not hold one line naming a step-N folder";
+          name.clear();
+        }
+      } catch (const c10::Error& e) {
+        why = e.what_without_backtrace();
+      }
+    }
+    if (name.empty()) {
+      const std::string alt = newest_complete(dir, "");
+      TORCH_CHECK(!alt.empty() || fs::exists(dir / "latest", ec), who, "no checkpoint in ",
+                  dir.string(), " (missing ", (dir / "latest").string(), ")");
+      TORCH_CHECK(!alt.empty(), who, (dir / "latest").string(), " is unusable (", why, ") and ",
+                  dir.string(), " holds no complete checkpoint");
+      TORCH_CHECK(false, who, (dir / "latest").string(), " is unusable (", why,
+                  "); the newest complete checkpoint is ", (dir / alt).string(),
+                  ": resume from it with --resume-from ", alt);
+    }
+  }
+  TORCH_CHECK(step_of_folder(name) > 0, who, "--resume-from expects a folder name step-N, got '",
+              name, "'");
+  Checkpoint ck;
+  try {
+    ck = verify_checkpoint(dir / name);
+  } catch (const c10::Error& e) {
+    const std::string alt = newest_complete(dir, name);
+    TORCH_CHECK(false, who, e.what_without_backtrace(),
+                alt.empty() ? std::string("; no other complete checkpoint is in ") + dir.string()
+                            : "; the newest complete checkpoint is " + (dir / alt).string() +
+                                  ": resume from it with --resume-from " + alt);
+  }
+  const std::string meta_path = (ck.folder / "meta.json").string();
+  const std::string theirs = json::string_at(ck.meta, "signature", meta_path);
   const std::string ours = signature(o, model);
-  TORCH_CHECK(theirs == ours, "apex-train: --resume: checkpoint ", ck.string(),
+  TORCH_CHECK(theirs == ours, who, "checkpoint ", ck.folder.string(),
               " was written by another run (", theirs.substr(0, theirs.find(" params=")),
               "), this run is ", ours.substr(0, ours.find(" params=")));
-  torch::serialize::InputArchive a;
-  a.load_from((ck / "model.pt").string());
-  model.load(a);
-  torch::serialize::InputArchive b;
-  b.load_from((ck / "optimizer.pt").string());
-  optimizer.load(b);
-  if (amp != nullptr) amp->load((ck / "amp.pt").string());
-  return static_cast<int64_t>(json::get_number(meta, "step"));
+  TORCH_CHECK(ck.has_amp == (amp != nullptr), who, ck.folder.string(),
+              ck.has_amp ? " holds an amp state this run has no use for"
+                         : " has no amp state, which this run needs");
+  std::string changed;
+  for (const auto& [key, value] : run_settings(o)) {
+    auto it = ck.meta.find(key);
+    TORCH_CHECK(it != ck.meta.end(), who, meta_path, ": \"", key, "\" is missing");
+    const std::string stored = it->second.kind == json::Field::Kind::kString
+                                   ? json::quote(it->second.text)
+                                   : it->second.text;
+    if (stored != value) {
+      changed += (changed.empty() ? "" : ", ") + key + " " + stored + " -> " + value;
+    }
+  }
+  TORCH_CHECK(changed.empty() || o.resume_with_changes, who, "this run's settings differ from ",
+              ck.folder.string(), "'s (", changed,
+              "); resuming would train something else than the run. Pass "
+              "--resume-with-changes to continue with the new settings deliberately");
+  if (!changed.empty()) {
+    std::fprintf(stderr, "apex-train: resuming with changed settings: %s\n", changed.c_str());
+  }
+  apex::load_module(model, (ck.folder / "model.pt").string());
+  apex::load_optimizer(optimizer, (ck.folder / "optimizer.pt").string());
+  if (amp != nullptr) amp->load((ck.folder / "amp.pt").string());
+  run = ck.run;
+  return ck.step;
+}
+
+// Appends `text` to the metrics file and flushes it; a failed write (full disk, a removed
+// folder) is an error, not a lost record.
+void write_metrics(std::FILE* f, const std::string& text, const std::string& path) {
+  if (text.empty()) return;
+  TORCH_CHECK(std::fputs(text.c_str(), f) >= 0 && std::fflush(f) == 0, "apex-train: --metrics ",
+              path, ": write failed: ", std::strerror(errno));
 }
 
 // Steps that must overflow in a row before a dynamic loss scale counts as stuck.
@@ -284,8 +491,57 @@ void check_device(const TrainOptions& o) {
               "APEX_TORCH_SPEC), or use --device cpu");
 }
 
+void check_fits(const TrainOptions& o) {
+  const ModelConfig c = resolved(o.model);
+  const double params = model_family(c.family).min_parameters(c);
+  // fp32 weights, gradients and two optimizer moments at least.
+  const double bytes = params * 16.0;
+  const double memory =
+      static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  TORCH_CHECK(memory <= 0 || bytes <= memory, "apex-train: --model ", c.family, " --width ",
+              c.width, " --depth ", c.depth, " would have at least ", params,
+              " parameters, which with their gradients and optimizer state need at least ",
+              bytes / (1 << 30), " GiB; this machine has ", memory / (1 << 30),
+              " GiB (lower --width or --depth)");
+
+  // The built-in data sets are generated in memory: samples times their size.
+  const std::string data = o.data.empty() ? model_family(c.family).default_data : o.data;
+  double per_sample = 0;
+  double samples = 0;
+  if (data == "shapes") {
+    per_sample = 4.0 * static_cast<double>(o.image_size) * static_cast<double>(o.image_size);
+    samples = (o.train_size > 0 ? o.train_size : 8192) + (o.test_size > 0 ? o.test_size : 1024);
+  } else if (data == "tokens") {
+    per_sample = 8.0 * static_cast<double>(o.seq_len);
+    samples = (o.train_size > 0 ? o.train_size : 16384) + (o.test_size > 0 ? o.test_size : 2048);
+  } else if (data == "tones") {
+    per_sample = 4.0 * static_cast<double>(o.samples);
+    samples = (o.train_size > 0 ? o.train_size : 4096) + (o.test_size > 0 ? o.test_size : 512);
+  }
+  const double data_bytes = per_sample * samples;
+  TORCH_CHECK(memory <= 0 || data_bytes <= memory, "apex-train: the built-in ", data, " data (",
+              samples, " samples of ", per_sample, " bytes) needs ", data_bytes / (1 << 30),
+              " GiB; this machine has ", memory / (1 << 30),
+              " GiB (lower --train-size, --test-size or the sample size)");
+}
+
+void check_outputs(const TrainOptions& o) {
+  if (!o.metrics.empty()) apex::check_writable(o.metrics, "apex-train: --metrics");
+  if (!o.checkpoint.empty()) {
+    std::error_code ec;
+    fs::create_directories(o.checkpoint, ec);
+    TORCH_CHECK(!ec, "apex-train: --checkpoint ", o.checkpoint, ": cannot create it (",
+                ec.message(), ")");
+    TORCH_CHECK(fs::is_directory(o.checkpoint, ec), "apex-train: --checkpoint ", o.checkpoint,
+                " is not a folder");
+    apex::check_writable((fs::path(o.checkpoint) / "latest").string(), "apex-train: --checkpoint");
+  }
+}
+
 Summary train(const TrainOptions& o, const Split& data) {
   check_device(o);
+  check_fits(o);
+  check_outputs(o);
   TORCH_CHECK(o.batch_size > 0, "apex-train: --batch-size must be > 0, got ", o.batch_size);
   TORCH_CHECK(o.accumulate > 0, "apex-train: --accumulate must be > 0, got ", o.accumulate);
   TORCH_CHECK(data.train.size() > 0 && data.test.size() > 0,
@@ -317,7 +573,8 @@ Summary train(const TrainOptions& o, const Split& data) {
   }
   apex::amp::Amp* ampp = amp ? &*amp : nullptr;
   int64_t start = 0;
-  if (o.resume) start = load_checkpoint(o, *model, *optimizer, ampp);
+  std::string run_id = new_run_id();
+  if (o.resume) start = load_checkpoint(o, *model, *optimizer, ampp, run_id);
   // After initialize (DDP reduces the gradients of the parameters as amp cast them).
   using Ddp = apex::parallel::DistributedDataParallel<std::shared_ptr<Classifier>>;
   std::optional<Ddp> ddp;
@@ -338,9 +595,11 @@ Summary train(const TrainOptions& o, const Split& data) {
     // A resumed run keeps the records up to its checkpoint and drops the rest (steps logged after
     // the checkpoint, and the interrupted run's summary), so the file reads as one run.
     const std::string kept = o.resume ? metrics_up_to(o.metrics, start) : std::string();
+    apex::check_writable(o.metrics, "apex-train: --metrics");
     metrics = std::fopen(o.metrics.c_str(), "w");
-    TORCH_CHECK(metrics != nullptr, "apex-train: cannot write --metrics ", o.metrics);
-    std::fputs(kept.c_str(), metrics);
+    TORCH_CHECK(metrics != nullptr, "apex-train: cannot write --metrics ", o.metrics, ": ",
+                std::strerror(errno));
+    write_metrics(metrics, kept, o.metrics);
   }
   Progress progress(o.opt_level, start, total, o.progress && rank == 0);
   const auto t0 = Clock::now();
@@ -428,8 +687,7 @@ Summary train(const TrainOptions& o, const Split& data) {
         s.curve.push_back(r);
         if (rank == 0) progress.update(r);
         if (metrics != nullptr) {
-          std::fprintf(metrics, "%s\n", json::step_record(o.opt_level, r).c_str());
-          std::fflush(metrics);
+          write_metrics(metrics, json::step_record(o.opt_level, r) + "\n", o.metrics);
         }
         s.final_loss = r.loss;
         window_loss.zero_();
@@ -450,7 +708,7 @@ Summary train(const TrainOptions& o, const Split& data) {
                     step + 1, " at ", o.opt_level,
                     ": training diverged (no checkpoint written); lower --lr (", o.lr, ")");
         // Rank 0 writes (every rank holds the same state); the others wait for it.
-        if (rank == 0) save_checkpoint(o, step + 1, *model, *optimizer, ampp);
+        if (rank == 0) save_checkpoint(o, step + 1, run_id, *model, *optimizer, ampp);
         if (pg) pg->barrier();
       }
       if (interrupted) {
@@ -484,8 +742,11 @@ Summary train(const TrainOptions& o, const Split& data) {
   s.loss_scale = ampp ? ampp->loss_scale() : 1.0;
   s.peak_rss_mb = peak_rss_mb();
   if (metrics != nullptr) {
-    std::fprintf(metrics, "%s\n", to_json(s).c_str());
-    std::fclose(metrics);
+    std::FILE* f = std::exchange(metrics, nullptr);
+    const bool written = std::fputs((to_json(s) + "\n").c_str(), f) >= 0;
+    const int err = errno;
+    TORCH_CHECK(std::fclose(f) == 0 && written, "apex-train: --metrics ", o.metrics,
+                ": write failed: ", std::strerror(written ? errno : err));
   }
   return s;
 }

@@ -49,6 +49,8 @@ struct TrainOptions {
   std::string checkpoint;        ///< directory
   int64_t checkpoint_every = 0;  ///< steps (0: only at the end)
   bool resume = false;
+  std::string resume_from;  ///< a step-N folder of --checkpoint ("" = the one `latest` names)
+  bool resume_with_changes = false;  ///< resume although run-changing settings differ
   int64_t stop_after = 0;  ///< stop (with a checkpoint) after this step, as if interrupted (tests)
   bool progress = true;    ///< progress bar on a terminal, lines otherwise
   bool ddp = false;        ///< data-parallel in the environment's process group (torchrun's)
@@ -115,6 +117,13 @@ void check_device(const TrainOptions& options);
 
 /// Loads (or generates) the data the options name; errors are one-line c10::Errors.
 Split load_data(const TrainOptions& options);
+
+/// Checks, before any training, that every output of `o` (--metrics, --checkpoint) can be
+/// written: a bad path fails now, not after the training.
+void check_outputs(const TrainOptions& o);
+/// Refuses sizes whose parameters (with gradients and optimizer state) cannot fit in this
+/// machine's memory, before anything is allocated.
+void check_fits(const TrainOptions& o);
 
 /// Trains and evaluates. Writes metrics / checkpoints as the options say. Throws c10::Error with
 /// a one-line message on bad input or divergence.

@@ -52,12 +52,16 @@ class FusedAdagrad : public FusedOptimizer {
 
   using FusedOptimizer::step;
 
+  const char* kind() const override { return "FusedAdagrad"; }
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
   StateDict python_state_dict() const override;
   void load_python_state_dict(const StateDict& state) override;
 
  protected:
+  void check_options() const override;
+  std::vector<double> option_values(const torch::optim::OptimizerOptions& options) const override;
+  std::vector<double> state_values(const torch::optim::OptimizerParamState& state) const override;
   void fused_step(const GradScaling& scaling) override;
   bool set_grad_none() const override;
   std::vector<at::Tensor> elementwise_state(

@@ -76,6 +76,7 @@ class FusedAdam : public FusedOptimizer {
   /// Group `group`'s step count (reads the device counter).
   int64_t step_count(size_t group) const;
 
+  const char* kind() const override { return "FusedAdam"; }
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
@@ -83,6 +84,9 @@ class FusedAdam : public FusedOptimizer {
   void load_python_state_dict(const StateDict& state) override;
 
  protected:
+  void check_options() const override;
+  std::vector<double> option_values(const torch::optim::OptimizerOptions& options) const override;
+  std::vector<double> state_values(const torch::optim::OptimizerParamState& state) const override;
   void fused_step(const GradScaling& scaling) override;
   bool set_grad_none() const override;
   std::vector<at::Tensor> elementwise_state(

@@ -66,10 +66,14 @@ class FusedNovoGrad : public FusedOptimizer {
 
   using FusedOptimizer::step;
 
+  const char* kind() const override { return "FusedNovoGrad"; }
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
  protected:
+  void check_options() const override;
+  std::vector<double> option_values(const torch::optim::OptimizerOptions& options) const override;
+  std::vector<double> state_values(const torch::optim::OptimizerParamState& state) const override;
   void fused_step(const GradScaling& scaling) override;
   bool set_grad_none() const override;
   std::vector<at::Tensor> elementwise_state(

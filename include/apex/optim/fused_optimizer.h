@@ -5,6 +5,8 @@
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -58,6 +60,9 @@ class FusedOptimizer : public torch::optim::Optimizer {
   /// Loads the layout written by `python_state_dict()` or by Python's `optimizer.state_dict()`.
   virtual void load_python_state_dict(const StateDict& state);
 
+  /// The optimizer's name ("FusedAdam", ...), which its archives carry.
+  virtual const char* kind() const = 0;
+
  protected:
   /// The update itself; `scaling` tensors are already on the right device or undefined.
   virtual void fused_step(const GradScaling& scaling) = 0;
@@ -68,6 +73,29 @@ class FusedOptimizer : public torch::optim::Optimizer {
       const torch::optim::OptimizerParamState& /*state*/) const {
     return {};
   }
+  /// Checks every group's options (the constructor's checks), e.g. after a load.
+  virtual void check_options() const = 0;
+  /// The numbers of a group's options and of a parameter's state besides its elementwise tensors
+  /// (step counters), which an archive's checksum covers.
+  virtual std::vector<double> option_values(
+      const torch::optim::OptimizerOptions& options) const = 0;
+  virtual std::vector<double> state_values(
+      const torch::optim::OptimizerParamState& /*state*/) const {
+    return {};
+  }
+
+  /// torch::save support for the concrete optimizer: torch::optim::serialize of its types, then
+  /// its kind and a CRC-32 of its options and state (LibTorch's reader checks no CRC, so a flipped
+  /// payload byte would otherwise load silently). Defined in src/optim/archive.h.
+  template <class State, class Options>
+  void save_archive(torch::serialize::OutputArchive& archive) const;
+  /// torch::load support: the kind is checked first, then the archive is read and the options,
+  /// the state's shapes and the checksum are checked; on any failure the options and state are
+  /// put back as they were and the error says what failed. `after` runs inside (e.g. to update
+  /// device copies of the loaded state).
+  template <class State, class Options>
+  void load_archive(torch::serialize::InputArchive& archive,
+                    const std::function<void()>& after = {});
 
   /// A parameter with its gradient.
   struct Entry {
@@ -100,6 +128,12 @@ class FusedOptimizer : public torch::optim::Optimizer {
   using LoadedOptions = std::vector<std::unique_ptr<torch::optim::OptimizerOptions>>;
   using LoadedStates =
       std::vector<std::pair<at::Tensor, std::unique_ptr<torch::optim::OptimizerParamState>>>;
+  /// The checksum of the options and state as they are now.
+  uint32_t state_checksum() const;
+  void write_integrity(torch::serialize::OutputArchive& archive) const;
+  void load_transaction(torch::serialize::InputArchive& archive, const std::function<void()>& read,
+                        const std::function<void()>& after);
+
   /// Installs what load_python_state_dict parsed: each group's options, and the states replacing
   /// all current state (as Python's load_state_dict does).
   void replace_loaded_state(LoadedOptions options, LoadedStates states);
