@@ -19,6 +19,7 @@
 
 #include "bridge/bridge.h"
 #include "kernels/norm.h"
+#include "normalization/ops.h"
 
 namespace apex::normalization {
 namespace {
@@ -144,11 +145,8 @@ std::array<at::Tensor, 3> norm_forward(const at::Tensor& x, const at::Tensor& w,
   return {y, mean, rstd};
 }
 
-// The autograd node of a norm: a Node of its own, as LibTorch's generated ones are, rather than
-// a torch::autograd::Function, whose generic machinery (input and output VariableInfo records,
-// the IValue map of saved data, the output wrapping checks) cost about 3 us more per forward and
-// backward than at::layer_norm's node, which short rows notice.
-struct NormBackward : public torch::autograd::Node {
+// What a backward needs to know of its forward.
+struct BackwardSpec {
   bool rms = false;
   bool memory_efficient = false;
   bool f64 = false;
@@ -160,14 +158,39 @@ struct NormBackward : public torch::autograd::Node {
   at::ScalarType w_dtype = at::kFloat;  // the weight's, or the bias's when there is no weight
   at::ScalarType b_dtype = at::kFloat;  // the bias's (differs from the weight's on float64 only)
   std::vector<int64_t> shape;           // normalized_shape: dw and db's
-  SavedVariable src;                    // x, or y when memory-efficient (x_hat from the output)
+};
+
+BackwardSpec backward_spec(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                           const Geometry& g, double eps, Flags f) {
+  BackwardSpec s;
+  s.rms = f.rms;
+  s.memory_efficient = f.memory_efficient;
+  s.f64 = is_f64(x, w, b);
+  s.has_bias = b.defined();
+  s.eps = eps;
+  s.rows = g.rows;
+  s.cols = g.cols;
+  s.x_dtype = x.scalar_type();
+  s.w_dtype = w.defined() ? w.scalar_type() : b.defined() ? b.scalar_type() : at::kFloat;
+  s.b_dtype = b.defined() ? b.scalar_type() : s.w_dtype;
+  s.shape.assign(x.sizes().end() - static_cast<int64_t>(g.shape_dims), x.sizes().end());
+  return s;
+}
+
+// The autograd node of a norm: a Node of its own, as LibTorch's generated ones are, rather than
+// a torch::autograd::Function, whose generic machinery (input and output VariableInfo records,
+// the IValue map of saved data, the output wrapping checks) cost about 3 us more per forward and
+// backward than at::layer_norm's node, which short rows notice.
+struct NormBackward : public torch::autograd::Node {
+  BackwardSpec spec;
+  SavedVariable src;  // x, or y when memory-efficient (x_hat from the output)
   SavedVariable w;
   SavedVariable b;  // memory-efficient only
   SavedVariable mean;
   SavedVariable rstd;
 
   std::string name() const override {
-    return rms ? "FusedRMSNormBackward" : "FusedLayerNormBackward";
+    return spec.rms ? "FusedRMSNormBackward" : "FusedLayerNormBackward";
   }
   // Both lock the node's mutex, as LibTorch's own nodes do: two threads may run backward through
   // one graph, one of them releasing what the other unpacks.
@@ -190,29 +213,29 @@ auto make_node(Args&&... args) {
   }
 }
 
-variable_list NormBackward::apply(variable_list&& grads) {
-  // create_graph: the gradients are computed as usual, and those that need a gradient of their own
-  // get an Error node, so that a double backward through them fails with a clear message when it
-  // runs (as LibTorch's ops without a double-backward formula do) rather than being refused here
-  // or silently giving zero second derivatives.
-  const bool create_graph = at::GradMode::is_enabled();
-  const at::AutoGradMode no_graph(false);
-  const std::lock_guard<std::mutex> lock(mutex_);
-  // No gradient reached the output (it did not contribute to what is differentiated): none
-  // flows on, as for LibTorch's own nodes.
-  if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
-  const at::Tensor src_t = src.unpack(memory_efficient ? getptr() : decltype(getptr()){});
-  const at::Tensor w_t = w.unpack();
-  const at::Tensor b_t = b.unpack();
-  const at::Tensor mean_t = mean.unpack();
-  const at::Tensor rstd_t = rstd.unpack();
-  const at::Tensor dy = grads[0].contiguous();
-  const bool want_w = w_t.defined() && task_should_compute_output(1);
-  const bool want_b = has_bias && task_should_compute_output(2);
+// What the backward computes: {dx, dw, db}, each only where wanted (dx of src's shape in
+// x_dtype; dw, db of the normalized shape in the parameters' dtypes). src is x, or y when
+// memory-efficient.
+std::array<at::Tensor, 3> norm_backward(const BackwardSpec& s, const at::Tensor& dy_in,
+                                        const at::Tensor& src_t, const at::Tensor& w_t,
+                                        const at::Tensor& b_t, const at::Tensor& mean_t,
+                                        const at::Tensor& rstd_t, bool want_dx, bool want_w,
+                                        bool want_b) {
+  const bool rms = s.rms;
+  const bool memory_efficient = s.memory_efficient;
+  const double eps = s.eps;
+  const int64_t rows = s.rows;
+  const int64_t cols = s.cols;
+  const at::ScalarType x_dtype = s.x_dtype;
+  const at::ScalarType w_dtype = s.w_dtype;
+  const at::ScalarType b_dtype = s.b_dtype;
+  const at::Tensor dy = dy_in.contiguous();
+  want_w = want_w && w_t.defined();
+  want_b = want_b && s.has_bias;
   at::Tensor dx;
   at::Tensor dw;
   at::Tensor db;
-  if (f64) {
+  if (s.f64) {
     const auto d = [&](const at::Tensor& t) { return t.reshape({-1, cols}).to(at::kDouble); };
     at::Tensor xh;
     if (memory_efficient) {
@@ -227,7 +250,8 @@ variable_list NormBackward::apply(variable_list&& grads) {
     } else {
       xh = (rms ? d(src_t) : d(src_t) - mean_t.view({-1, 1})) * rstd_t.view({-1, 1});
     }
-    auto r = backward_f64(xh, d(dy), w_t.defined() ? d(w_t) : at::Tensor(), rstd_t, rms, has_bias);
+    auto r =
+        backward_f64(xh, d(dy), w_t.defined() ? d(w_t) : at::Tensor(), rstd_t, rms, s.has_bias);
     dx = r[0].to(x_dtype).view(src_t.sizes());
     dw = want_w ? r[1] : at::Tensor();
     db = want_b ? r[2] : at::Tensor();
@@ -235,7 +259,7 @@ variable_list NormBackward::apply(variable_list&& grads) {
     // A CPU backward whose input needs no gradient (a frozen input, or autograd::grad of the
     // parameters alone) computes dw/db only: one read of each row instead of two passes and a
     // write. The CUDA kernels always write dx.
-    if (task_should_compute_output(0) || src_t.is_cuda()) {
+    if (want_dx || src_t.is_cuda()) {
       dx = at::empty(src_t.sizes(), src_t.options().dtype(x_dtype));
     }
     // The CPU backend writes dw/db in the parameters' dtype; the CUDA one in fp32 (cast below).
@@ -291,10 +315,28 @@ variable_list NormBackward::apply(variable_list&& grads) {
   // [cols] in its parameter's dtype and shape (no-ops where they already are).
   const auto as_param = [&](const at::Tensor& t, at::ScalarType dtype) {
     if (!t.defined()) return t;
-    const at::Tensor v = t.dim() == static_cast<int64_t>(shape.size()) ? t : t.view(shape);
+    const at::Tensor v = t.dim() == static_cast<int64_t>(s.shape.size()) ? t : t.view(s.shape);
     return v.scalar_type() == dtype ? v : v.to(dtype);
   };
-  variable_list out{dx, as_param(dw, w_dtype), as_param(db, b_dtype)};
+  return {want_dx ? dx : at::Tensor(), as_param(dw, w_dtype), as_param(db, b_dtype)};
+}
+
+variable_list NormBackward::apply(variable_list&& grads) {
+  // create_graph: the gradients are computed as usual, and those that need a gradient of their own
+  // get an Error node, so that a double backward through them fails with a clear message when it
+  // runs (as LibTorch's ops without a double-backward formula do) rather than being refused here
+  // or silently giving zero second derivatives.
+  const bool create_graph = at::GradMode::is_enabled();
+  const at::AutoGradMode no_graph(false);
+  const std::lock_guard<std::mutex> lock(mutex_);
+  // No gradient reached the output (it did not contribute to what is differentiated): none
+  // flows on, as for LibTorch's own nodes.
+  if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+  const at::Tensor src_t = src.unpack(spec.memory_efficient ? getptr() : decltype(getptr()){});
+  const auto r = norm_backward(spec, grads[0], src_t, w.unpack(), b.unpack(), mean.unpack(),
+                               rstd.unpack(), task_should_compute_output(0),
+                               task_should_compute_output(1), task_should_compute_output(2));
+  variable_list out{r[0], r[1], r[2]};
   if (create_graph) {
     // dx, dw and db depend on dy and, through what was saved, on the forward's input, weight and
     // bias: this node's own next edges (the saved tensors are contiguous copies without history,
@@ -305,7 +347,7 @@ variable_list NormBackward::apply(variable_list&& grads) {
                                  [](const torch::autograd::Edge& e) { return e.is_valid(); });
     if (any) {
       const auto error = make_node<torch::autograd::Error>(
-          std::string(op_name(rms)) + ": double backward is not supported", std::move(edges));
+          std::string(op_name(spec.rms)) + ": double backward is not supported", std::move(edges));
       for (at::Tensor& t : out) {
         if (!t.defined()) continue;
         if (t.is_view()) t = t.clone();  // history is set on tensors of their own, not views
@@ -335,17 +377,7 @@ at::Tensor forward_with_graph(const at::Tensor& input, const at::Tensor& weight,
   }
   const at::Tensor& y = out[0];
   torch::autograd::set_history(y, node);
-  node->rms = f.rms;
-  node->memory_efficient = f.memory_efficient;
-  node->f64 = is_f64(x, w, b);
-  node->has_bias = b.defined();
-  node->eps = eps;
-  node->rows = g.rows;
-  node->cols = g.cols;
-  node->x_dtype = x.scalar_type();
-  node->w_dtype = w.defined() ? w.scalar_type() : b.defined() ? b.scalar_type() : at::kFloat;
-  node->b_dtype = b.defined() ? b.scalar_type() : node->w_dtype;
-  node->shape.assign(x.sizes().end() - static_cast<int64_t>(g.shape_dims), x.sizes().end());
+  node->spec = backward_spec(x, w, b, g, eps, f);
   // memory_efficient keeps the output (which the next layer usually keeps anyway) instead of
   // the input, and recomputes x_hat = (y - bias) / weight in the backward.
   if (f.memory_efficient) {
@@ -386,6 +418,43 @@ at::Tensor run(const char* who, const at::Tensor& input, at::IntArrayRef shape,
 }
 
 }  // namespace
+
+namespace ops {
+
+std::array<at::Tensor, 3> forward(const char* who, const at::Tensor& input,
+                                  at::IntArrayRef normalized_shape, const at::Tensor& weight,
+                                  const at::Tensor& bias, double eps, bool rms, bool mixed,
+                                  bool memory_efficient) {
+  const Geometry g = check_inputs(who, input, normalized_shape, weight, bias, eps);
+  TORCH_CHECK(!mixed || weight.defined(), who, ": the mixed-dtype variants need a weight");
+  const Flags f{rms, mixed, memory_efficient};
+  const at::Tensor w = weight.defined() ? weight.contiguous() : at::Tensor();
+  const at::Tensor b = bias.defined() ? bias.contiguous() : at::Tensor();
+  return norm_forward(input.contiguous(), w, b, g, eps, f, output_dtype(input, weight, f));
+}
+
+std::array<at::Tensor, 3> backward(const char* who, const at::Tensor& grad_out,
+                                   const at::Tensor& saved, const at::Tensor& mean,
+                                   const at::Tensor& rstd, const at::Tensor& weight,
+                                   const at::Tensor& bias, at::IntArrayRef normalized_shape,
+                                   double eps, bool rms, bool mixed, bool memory_efficient,
+                                   at::ScalarType input_dtype, std::array<bool, 3> want) {
+  const Geometry g = check_inputs(who, saved, normalized_shape, weight, bias, eps);
+  TORCH_CHECK(grad_out.sizes() == saved.sizes(), who, ": the gradient has shape ", grad_out.sizes(),
+              ", expected the output's ", saved.sizes());
+  TORCH_CHECK(rstd.numel() == g.rows && (rms || memory_efficient || mean.numel() == g.rows), who,
+              ": the saved statistics have ", rstd.numel(), " rows, expected ", g.rows);
+  const at::Tensor w = weight.defined() ? weight.contiguous() : at::Tensor();
+  const at::Tensor b = bias.defined() ? bias.contiguous() : at::Tensor();
+  const at::Tensor src = saved.contiguous();
+  BackwardSpec s = backward_spec(src, w, b, g, eps, {rms, mixed, memory_efficient});
+  s.x_dtype = input_dtype;
+  s.f64 = s.f64 || input_dtype == at::kDouble;
+  return norm_backward(s, grad_out, src, w, memory_efficient ? b : at::Tensor(), mean.contiguous(),
+                       rstd.contiguous(), want[0], want[1], want[2]);
+}
+
+}  // namespace ops
 
 at::Tensor fused_layer_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
                             const at::Tensor& weight, const at::Tensor& bias, double eps,

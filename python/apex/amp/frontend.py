@@ -1,0 +1,388 @@
+"""apex.amp's front end: ``initialize`` with the opt levels O0-O3 and apex's overrides, built on
+``torch.autocast`` (O1), model casting (O2/O3), fp32 master weights (O2) and apex-cpp's
+multi-tensor kernels for the unscale and the master copies."""
+import functools
+import warnings
+
+import torch
+
+from apex._ops import ops
+
+from ._amp_state import _amp_state, maybe_print
+from .scaler import LossScaler
+
+
+class Properties:
+    """The resolved options of an opt level (apex's names)."""
+
+    def __init__(self):
+        self.enabled = False
+        self.opt_level = None
+        self.cast_model_type = None
+        self.patch_torch_functions = False
+        self.keep_batchnorm_fp32 = None
+        self.master_weights = None
+        self.loss_scale = 1.0
+        self.cast_model_outputs = None
+        self.half_dtype = torch.float16
+
+    def __repr__(self):
+        return "\n".join(f"{k:22}: {v}" for k, v in self.__dict__.items())
+
+
+# apex's opt-level table: what each level sets before any override.
+_LEVELS = {
+    "O0": dict(cast_model_type=torch.float32, patch_torch_functions=False,
+               keep_batchnorm_fp32=None, master_weights=False, loss_scale=1.0),
+    "O1": dict(cast_model_type=None, patch_torch_functions=True, keep_batchnorm_fp32=None,
+               master_weights=None, loss_scale="dynamic"),
+    "O2": dict(cast_model_type="half", patch_torch_functions=False, keep_batchnorm_fp32=True,
+               master_weights=True, loss_scale="dynamic"),
+    "O3": dict(cast_model_type="half", patch_torch_functions=False, keep_batchnorm_fp32=False,
+               master_weights=False, loss_scale=1.0),
+}
+
+
+def _resolve(opt_level, enabled, half_dtype, overrides):
+    if opt_level not in _LEVELS:
+        raise RuntimeError(f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', "
+                           "'O2', 'O3'. Note that in `O0`, `O1`, etc., the prefix O is the letter "
+                           "O, not the number zero.")
+    p = Properties()
+    p.enabled = enabled
+    p.opt_level = opt_level
+    p.half_dtype = half_dtype
+    for k, v in _LEVELS[opt_level].items():
+        setattr(p, k, half_dtype if v == "half" else v)
+    # bf16 has fp32's exponent range: no dynamic scaling by default (apex-cpp's rule).
+    if half_dtype == torch.bfloat16 and p.loss_scale == "dynamic":
+        p.loss_scale = 1.0
+    for k, v in overrides.items():
+        if v is None:
+            continue
+        if k == "cast_model_type":
+            if v not in (torch.float32, torch.float16, torch.bfloat16):
+                raise RuntimeError(f"amp: cast_model_type must be torch.float32, torch.float16 or "
+                                   f"torch.bfloat16, got {v}")
+            if opt_level == "O1" and v != torch.float32:
+                raise RuntimeError("O1 inserts casts around Torch functions rather than model "
+                                   "weights, so with O1, the model weights themselves should remain "
+                                   f"FP32. If you wish to cast the model to a different type, use "
+                                   f"opt_level='O2' or 'O3'. cast_model_type was {v}")
+        elif k == "patch_torch_functions":
+            if v and opt_level != "O1":
+                raise RuntimeError(f"amp: patch_torch_functions=True is only valid with O1, got "
+                                   f"opt_level {opt_level}")
+        elif k == "keep_batchnorm_fp32":
+            if isinstance(v, str):
+                if v not in ("True", "False"):
+                    raise RuntimeError(f"amp: keep_batchnorm_fp32 must be a bool, 'True' or "
+                                       f"'False', got {v!r}")
+                v = v == "True"
+            if opt_level == "O1":
+                raise RuntimeError("With opt_level O1, batchnorm functions are automatically "
+                                   "patched to run in FP32, so keep_batchnorm_fp32 should be None. "
+                                   f"keep_batchnorm_fp32 was {v}")
+        elif k == "master_weights":
+            if opt_level == "O1":
+                raise RuntimeError("It doesn't make sense to use master_weights with O1. With O1, "
+                                   "your model weights themselves should be FP32.")
+        elif k == "loss_scale":
+            if v != "dynamic":
+                v = float(v)
+                if not v > 0 or v == float("inf"):
+                    raise RuntimeError(f"amp: loss_scale must be 'dynamic' or a finite number > "
+                                       f"0, got {v}")
+        setattr(p, k, v)
+    if not enabled:
+        p.cast_model_type = None
+        p.patch_torch_functions = False
+        p.master_weights = False
+        p.loss_scale = 1.0
+    return p
+
+
+def _is_batchnorm(module):
+    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+
+
+def _cast_model(model, dtype, keep_batchnorm_fp32):
+    """apex's convert_network: float parameters and buffers to `dtype`, except affine batchnorm
+    layers when keep_batchnorm_fp32."""
+    for module in model.modules():
+        if keep_batchnorm_fp32 and _is_batchnorm(module) and module.affine:
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if param is not None and param.is_floating_point():
+                param.data = param.data.to(dtype)
+                if param.grad is not None:
+                    param.grad.data = param.grad.data.to(dtype)
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.is_floating_point():
+                setattr(module, name, buf.to(dtype))
+    return model
+
+
+def _apply(value, fn):
+    if torch.is_tensor(value):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_apply(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _apply(v, fn) for k, v in value.items()}
+    return value
+
+
+def _float_caster(dtype):
+    def cast(t):
+        return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+    return cast
+
+
+def _patch_forward(model, props, device_type):
+    old_forward = model.forward
+    out_dtype = props.cast_model_outputs
+    if props.patch_torch_functions:
+        @functools.wraps(old_forward)
+        def forward(*args, **kwargs):
+            with torch.autocast(device_type=device_type, dtype=props.half_dtype):
+                out = old_forward(*args, **kwargs)
+            return _apply(out, _float_caster(out_dtype)) if out_dtype is not None else out
+    else:
+        in_cast = _float_caster(props.cast_model_type)
+        out_cast = _float_caster(out_dtype if out_dtype is not None else torch.float32)
+
+        @functools.wraps(old_forward)
+        def forward(*args, **kwargs):
+            out = old_forward(*_apply(args, in_cast), **_apply(kwargs, in_cast))
+            return _apply(out, out_cast)
+    model.forward = forward
+
+
+class _AmpStash:
+    pass
+
+
+def _setup_masters(optimizer):
+    """O2: the optimizer steps fp32 masters of the model's half parameters (cloned from them),
+    and its existing state follows them."""
+    stash = optimizer._amp_stash
+    stash.fp16_groups = []
+    stash.fp32_from_fp16_groups = []
+    stash.fp32_from_fp32_groups = []
+    for group in optimizer.param_groups:
+        fp16, fp32_from_fp16, fp32 = [], [], []
+        new_params = []
+        for p in group["params"]:
+            if p.dtype in (torch.float16, torch.bfloat16):
+                master = p.detach().clone().float()
+                master.requires_grad_(True)
+                fp16.append(p)
+                fp32_from_fp16.append(master)
+                new_params.append(master)
+                if p in optimizer.state:
+                    optimizer.state[master] = optimizer.state.pop(p)
+            else:
+                fp32.append(p)
+                new_params.append(p)
+        group["params"] = new_params
+        stash.fp16_groups.append(fp16)
+        stash.fp32_from_fp16_groups.append(fp32_from_fp16)
+        stash.fp32_from_fp32_groups.append(fp32)
+    stash.all_fp16_params = [p for g in stash.fp16_groups for p in g]
+    stash.all_fp32_from_fp16_params = [p for g in stash.fp32_from_fp16_groups for p in g]
+    stash.all_fp32_from_fp32_params = [p for g in stash.fp32_from_fp32_groups for p in g]
+
+
+def _copy_masters_to_model(stash):
+    pairs = [(m, p) for m, p in zip(stash.all_fp32_from_fp16_params, stash.all_fp16_params)]
+    if not pairs:
+        return
+    by_key = {}
+    for m, p in pairs:
+        by_key.setdefault((p.device, p.dtype), []).append((m, p))
+    for (device, _), items in by_key.items():
+        flag = torch.zeros(1, dtype=torch.int, device=device)
+        ops.multi_tensor_scale(flag, [m.detach() for m, _ in items], [p.data for _, p in items],
+                               1.0)
+
+
+def _patch_optimizer(optimizer, props):
+    optimizer._amp_stash = _AmpStash()
+    stash = optimizer._amp_stash
+    stash.params_have_scaled_gradients = False
+    stash.already_patched = False
+    stash.lazy_init_called = True
+    stash.master_weights = bool(props.master_weights)
+    if stash.master_weights:
+        _setup_masters(optimizer)
+    old_step = optimizer.step
+    old_zero_grad = optimizer.zero_grad
+
+    @functools.wraps(old_step)
+    def step(*args, **kwargs):
+        if stash.skip_next_step:
+            stash.skip_next_step = False
+            return None
+        out = old_step(*args, **kwargs)
+        if stash.master_weights:
+            _copy_masters_to_model(stash)
+        return out
+
+    @functools.wraps(old_zero_grad)
+    def zero_grad(*args, **kwargs):
+        out = old_zero_grad(*args, **kwargs)
+        if stash.master_weights:
+            for p in stash.all_fp16_params:
+                p.grad = None
+        return out
+
+    stash.skip_next_step = False
+    optimizer.step = step
+    optimizer.zero_grad = zero_grad
+
+
+def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
+               patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None,
+               loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
+               min_loss_scale=None, max_loss_scale=2.0 ** 24, half_dtype=None):
+    """apex.amp.initialize: returns ``models`` and ``optimizers`` in the structure they were given
+    (a model or a list; an optimizer or a list; only the models when ``optimizers`` is None).
+
+    ``half_dtype`` (apex-cpp's addition) is the half type of O1's autocast and O2/O3's model:
+    float16 on CUDA and bfloat16 on the CPU by default (bf16 then needs no loss scaling).
+    """
+    models_list = list(models) if isinstance(models, (list, tuple)) else [models]
+    if optimizers is None:
+        optimizers_list = []
+    elif isinstance(optimizers, (list, tuple)):
+        optimizers_list = list(optimizers)
+    else:
+        optimizers_list = [optimizers]
+    for m in models_list:
+        if not isinstance(m, torch.nn.Module):
+            raise RuntimeError(f"amp.initialize: models must be torch.nn.Modules, got {type(m)}")
+    for o in optimizers_list:
+        if not isinstance(o, torch.optim.Optimizer):
+            raise RuntimeError(f"amp.initialize: optimizers must be torch.optim.Optimizers, got "
+                               f"{type(o)}")
+        if hasattr(o, "_amp_stash"):
+            raise RuntimeError("amp.initialize: an optimizer was passed that amp.initialize has "
+                               "already processed")
+    params = [p for m in models_list for p in m.parameters()]
+    device = params[0].device if params else torch.device("cpu")
+    device_type = device.type
+    if half_dtype is None:
+        half_dtype = torch.float16 if device_type == "cuda" else torch.bfloat16
+    if half_dtype not in (torch.float16, torch.bfloat16):
+        raise RuntimeError(f"amp.initialize: half_dtype must be torch.float16 or torch.bfloat16, "
+                           f"got {half_dtype}")
+    for p in params:
+        if enabled and p.dtype != torch.float32:
+            raise RuntimeError(f"amp.initialize: incoming model parameters must be float32, found "
+                               f"{p.dtype} (amp casts the model itself)")
+    if not isinstance(num_losses, int) or num_losses < 1:
+        raise RuntimeError(f"amp.initialize: num_losses must be an int >= 1, got {num_losses}")
+    props = _resolve(opt_level, enabled, half_dtype, dict(
+        cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
+        keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
+        loss_scale=loss_scale, cast_model_outputs=cast_model_outputs))
+    _amp_state.opt_properties = props
+    _amp_state.verbosity = verbosity
+    _amp_state.device_type = device_type
+    maybe_print(f"Selected optimization level {opt_level}", verbosity)
+    maybe_print(f"Defaults for this optimization level are:\n{props!r}", verbosity)
+
+    if enabled:
+        for m in models_list:
+            if props.cast_model_type is not None and props.cast_model_type != torch.float32:
+                _cast_model(m, props.cast_model_type, props.keep_batchnorm_fp32)
+            if props.patch_torch_functions or (props.cast_model_type not in (None, torch.float32)):
+                _patch_forward(m, props, device_type)
+        for o in optimizers_list:
+            _patch_optimizer(o, props)
+    _amp_state.loss_scalers = [
+        LossScaler(props.loss_scale if enabled else 1.0, min_loss_scale=min_loss_scale,
+                   max_loss_scale=max_loss_scale) for _ in range(num_losses)]
+    _amp_state.optimizers = optimizers_list
+    _amp_state.models = models_list
+
+    out_models = models_list if isinstance(models, (list, tuple)) else models_list[0]
+    if optimizers is None:
+        return out_models
+    out_opts = optimizers_list if isinstance(optimizers, (list, tuple)) else optimizers_list[0]
+    return out_models, out_opts
+
+
+def state_dict(destination=None):
+    """``{"loss_scaler<i>": {"loss_scale", "unskipped"}}`` as apex writes it, plus the fp32
+    masters of every O2 optimizer (``master_params``), which apex lost on resume."""
+    if destination is None:
+        destination = {}
+    for i, scaler in enumerate(_amp_state.loss_scalers):
+        destination[f"loss_scaler{i}"] = {"loss_scale": scaler.loss_scale(),
+                                          "unskipped": scaler._unskipped}
+    masters = [[m.detach().clone() for m in o._amp_stash.all_fp32_from_fp16_params]
+               for o in getattr(_amp_state, "optimizers", [])
+               if getattr(o._amp_stash, "master_weights", False)]
+    if masters:
+        destination["master_params"] = masters
+    return destination
+
+
+def load_state_dict(state_dict):
+    """Loads what ``state_dict`` wrote (or apex's own). Checked first; nothing changes on error."""
+    scalers = _amp_state.loss_scalers
+    if len(state_dict) != len(scalers) + (1 if "master_params" in state_dict else 0):
+        warnings.warn(f"amp.load_state_dict: the state has {len(state_dict)} entries, this amp has "
+                      f"{len(scalers)} loss scaler(s)")
+    new = []
+    for key, value in state_dict.items():
+        if key == "master_params":
+            continue
+        if not key.startswith("loss_scaler") or not key[len("loss_scaler"):].isdigit():
+            raise RuntimeError(f"amp.load_state_dict: unexpected key {key!r}")
+        idx = int(key[len("loss_scaler"):])
+        if idx >= len(scalers):
+            raise RuntimeError(f"amp.load_state_dict: {key!r} but amp has {len(scalers)} loss "
+                               "scaler(s) (num_losses)")
+        scale = float(value["loss_scale"])
+        unskipped = int(value["unskipped"])
+        s = scalers[idx]
+        if not scale > 0 or scale == float("inf"):
+            raise RuntimeError(f"amp.load_state_dict: loss_scale must be finite and > 0, got {scale}")
+        if s.dynamic and (scale > s._max_loss_scale or
+                          (s._min_loss_scale is not None and scale < s._min_loss_scale)):
+            raise RuntimeError(f"amp.load_state_dict: loss_scale {scale} is outside [min, max="
+                               f"{s._max_loss_scale}] of this dynamic scaler")
+        if unskipped < 0:
+            raise RuntimeError(f"amp.load_state_dict: unskipped must be >= 0, got {unskipped}")
+        new.append((s, scale, unskipped))
+    masters = state_dict.get("master_params")
+    opts = [o for o in getattr(_amp_state, "optimizers", [])
+            if getattr(o._amp_stash, "master_weights", False)]
+    if masters is not None:
+        if len(masters) != len(opts):
+            raise RuntimeError(f"amp.load_state_dict: master_params has {len(masters)} optimizer "
+                               f"list(s), amp has {len(opts)} with master weights")
+        for o, ms in zip(opts, masters):
+            own = o._amp_stash.all_fp32_from_fp16_params
+            if len(ms) != len(own) or any(a.shape != b.shape for a, b in zip(ms, own)):
+                raise RuntimeError("amp.load_state_dict: master_params do not fit this model's "
+                                   "half parameters")
+    for s, scale, unskipped in new:
+        s._loss_scale = scale
+        s._unskipped = unskipped
+    if masters is not None:
+        with torch.no_grad():
+            for o, ms in zip(opts, masters):
+                for m, src in zip(o._amp_stash.all_fp32_from_fp16_params, ms):
+                    m.copy_(src)
+                _copy_masters_to_model(o._amp_stash)
+
+
+def master_params(optimizer):
+    """The parameters ``optimizer`` steps: the fp32 masters under O2, the model's otherwise."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            yield p

@@ -1,0 +1,313 @@
+"""apex's fused LayerNorm and RMSNorm on apex-cpp's kernels, on CPU and CUDA tensors.
+
+The modules, the functional forms (default eps 1e-6, as apex's) and the autograd Functions keep
+apex's names and arguments (Megatron inspects ``FusedLayerNormAffineFunction.forward``). Every form
+runs the same custom op, ``torch.ops.apex_cpp.fused_norm_fwd``, whose backward is registered with
+torch.library: ``torch.compile`` traces it without a graph break. Statistics and math are fp32
+whatever the storage dtype; float64 inputs take a float64 path (gradcheck).
+"""
+import numbers
+
+import torch
+from torch.nn import init
+from torch.nn.parameter import Parameter
+
+from apex._ops import ops
+
+__all__ = [
+    "FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm",
+    "FusedLayerNormAffineFunction", "FusedRMSNormAffineFunction", "FusedLayerNormFunction",
+    "FusedRMSNormFunction", "FusedLayerNormAffineMixedDtypesFunction",
+    "FusedRMSNormAffineMixedDtypesFunction", "fused_layer_norm_affine", "fused_layer_norm",
+    "fused_rms_norm_affine", "fused_rms_norm", "mixed_dtype_fused_layer_norm_affine",
+    "mixed_dtype_fused_rms_norm_affine",
+]
+
+
+def _shape(normalized_shape):
+    if isinstance(normalized_shape, numbers.Integral):
+        return [int(normalized_shape)]
+    return [int(d) for d in normalized_shape]
+
+
+def _norm(input, weight, bias, normalized_shape, eps, rms, mixed, memory_efficient):
+    return ops.fused_norm_fwd(input, _shape(normalized_shape), weight, bias, float(eps), rms,
+                              mixed, bool(memory_efficient))[0]
+
+
+def _cast_if_autocast_enabled(*args):
+    """apex's rule for its fused functions under autocast: tensors are cast to the autocast dtype
+    of their device, and the op then runs without autocast."""
+    tensors = [a for a in args if torch.is_tensor(a)]
+    if not tensors:
+        return args
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return args
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+
+class _Nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NOTHING = _Nothing()
+
+
+def _autocast_off(device_type):
+    """Autocast off around the op, as apex's functions run; nothing when it is off already (the
+    context manager costs microseconds that short rows notice)."""
+    if not torch.is_autocast_enabled(device_type):
+        return _NOTHING
+    return torch.autocast(device_type=device_type, enabled=False)
+
+
+# ---- autograd Functions (apex's classes, over the same forward and backward ops) ----------------
+
+def _function_forward(ctx, input, weight, bias, normalized_shape, eps, rms, mixed,
+                      memory_efficient):
+    shape = _shape(normalized_shape)
+    y, mean, rstd = ops.fused_norm_fwd(input, shape, weight, bias, float(eps), rms, mixed,
+                                       bool(memory_efficient))
+    ctx.spec = (shape, float(eps), rms, mixed, bool(memory_efficient), input.dtype)
+    ctx.has = (weight is not None, bias is not None)
+    ctx.save_for_backward(y if memory_efficient else input, mean, rstd, weight, bias)
+    return y
+
+
+def _function_backward(ctx, grad_output):
+    """(dx, dw, db), None where not wanted or absent."""
+    saved, mean, rstd, weight, bias = ctx.saved_tensors
+    shape, eps, rms, mixed, memory_efficient, input_dtype = ctx.spec
+    wants = ctx.needs_input_grad
+    mask = [wants[0], ctx.has[0] and wants[1], ctx.has[1] and len(wants) > 2 and wants[2]]
+    dx, dw, db = ops.fused_norm_bwd(grad_output, saved, mean, rstd, weight, bias, shape, eps, rms,
+                                    mixed, memory_efficient, input_dtype, mask)
+    return (dx if mask[0] else None, dw if mask[1] else None, db if mask[2] else None)
+
+
+class FusedLayerNormAffineFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient=False):
+        return _function_forward(ctx, input, weight, bias, normalized_shape, eps, False, False,
+                                 memory_efficient)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        dx, dw, db = _function_backward(ctx, grad_output)
+        return dx, dw, db, None, None, None
+
+
+class FusedLayerNormAffineMixedDtypesFunction(FusedLayerNormAffineFunction):
+    @staticmethod
+    def forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient=False):
+        return _function_forward(ctx, input, weight, bias, normalized_shape, eps, False, True,
+                                 memory_efficient)
+
+
+class FusedRMSNormAffineFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, normalized_shape, eps, memory_efficient=False):
+        return _function_forward(ctx, input, weight, None, normalized_shape, eps, True, False,
+                                 memory_efficient)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        dx, dw, _ = _function_backward(ctx, grad_output)
+        return dx, dw, None, None, None
+
+
+class FusedRMSNormAffineMixedDtypesFunction(FusedRMSNormAffineFunction):
+    @staticmethod
+    def forward(ctx, input, weight, normalized_shape, eps, memory_efficient=False):
+        return _function_forward(ctx, input, weight, None, normalized_shape, eps, True, True,
+                                 memory_efficient)
+
+
+class FusedLayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, normalized_shape, eps, memory_efficient=False):
+        return _function_forward(ctx, input, None, None, normalized_shape, eps, False, False,
+                                 memory_efficient)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _function_backward(ctx, grad_output)[0], None, None, None
+
+
+class FusedRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, normalized_shape, eps, memory_efficient=False):
+        return _function_forward(ctx, input, None, None, normalized_shape, eps, True, False,
+                                 memory_efficient)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _function_backward(ctx, grad_output)[0], None, None, None
+
+
+# ---- functional forms (apex's defaults: eps 1e-6) ------------------------------------------------
+
+def fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6,
+                            memory_efficient=False):
+    args = _cast_if_autocast_enabled(input, weight, bias)
+    with _autocast_off(input.device.type):
+        return _norm(*args, normalized_shape, eps, False, False, memory_efficient)
+
+
+def fused_layer_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
+    (x,) = _cast_if_autocast_enabled(input)
+    with _autocast_off(input.device.type):
+        return _norm(x, None, None, normalized_shape, eps, False, False, memory_efficient)
+
+
+def mixed_dtype_fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6,
+                                        memory_efficient=False):
+    args = _cast_if_autocast_enabled(input, weight, bias)
+    with _autocast_off(input.device.type):
+        return _norm(*args, normalized_shape, eps, False, True, memory_efficient)
+
+
+def fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, memory_efficient=False):
+    x, w = _cast_if_autocast_enabled(input, weight)
+    with _autocast_off(input.device.type):
+        return _norm(x, w, None, normalized_shape, eps, True, False, memory_efficient)
+
+
+def fused_rms_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
+    (x,) = _cast_if_autocast_enabled(input)
+    with _autocast_off(input.device.type):
+        return _norm(x, None, None, normalized_shape, eps, True, False, memory_efficient)
+
+
+def mixed_dtype_fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6,
+                                      memory_efficient=False):
+    x, w = _cast_if_autocast_enabled(input, weight)
+    with _autocast_off(input.device.type):
+        return _norm(x, w, None, normalized_shape, eps, True, True, memory_efficient)
+
+
+# ---- modules --------------------------------------------------------------------------------------
+
+class FusedLayerNorm(torch.nn.Module):
+    r"""LayerNorm over the trailing ``normalized_shape`` dimensions, as ``torch.nn.LayerNorm``
+    (apex's FusedLayerNorm: same arguments, parameters ``weight`` and ``bias``, output in the
+    input's dtype). ``memory_efficient`` saves the output instead of the input for the backward.
+    Runs apex-cpp's kernels on CPU and CUDA tensors alike (apex fell back to ``F.layer_norm`` off
+    CUDA)."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True,
+                 memory_efficient=False):
+        super().__init__()
+        self.normalized_shape = torch.Size(_shape(normalized_shape))
+        self._shape_list = list(self.normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        if self.elementwise_affine:
+            self.weight = Parameter(torch.empty(*self.normalized_shape))
+            self.bias = Parameter(torch.empty(*self.normalized_shape))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        if self.elementwise_affine:
+            init.ones_(self.weight)
+            init.zeros_(self.bias)
+
+    def forward(self, input):
+        if not torch.is_autocast_enabled(input.device.type):
+            # The common case without the functional form's autocast handling (per-call cost).
+            return ops.fused_norm_fwd(input, self._shape_list, self.weight, self.bias, self.eps,
+                                      False, False, self.memory_efficient)[0]
+        if self.elementwise_affine:
+            return fused_layer_norm_affine(input, self.weight, self.bias, self.normalized_shape,
+                                           self.eps, self.memory_efficient)
+        return fused_layer_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
+
+    def extra_repr(self):
+        return ("{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}"
+                .format(**self.__dict__))
+
+
+class FusedRMSNorm(torch.nn.Module):
+    r"""RMSNorm: ``x / sqrt(mean(x^2) + eps) * weight`` over the trailing ``normalized_shape``
+    dimensions (apex's FusedRMSNorm: one parameter, ``weight``)."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True,
+                 memory_efficient=False):
+        super().__init__()
+        self.normalized_shape = torch.Size(_shape(normalized_shape))
+        self._shape_list = list(self.normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        if self.elementwise_affine:
+            self.weight = Parameter(torch.empty(*self.normalized_shape))
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        if self.elementwise_affine:
+            init.ones_(self.weight)
+
+    def forward(self, input):
+        if not torch.is_autocast_enabled(input.device.type):
+            return ops.fused_norm_fwd(input, self._shape_list, self.weight, None, self.eps, True,
+                                      False, self.memory_efficient)[0]
+        if self.elementwise_affine:
+            return fused_rms_norm_affine(input, self.weight, self.normalized_shape, self.eps,
+                                         self.memory_efficient)
+        return fused_rms_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
+
+    def extra_repr(self):
+        return ("{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}"
+                .format(**self.__dict__))
+
+
+class MixedFusedLayerNorm(FusedLayerNorm):
+    """FusedLayerNorm whose output has the parameters' dtype (typically fp32 parameters over an
+    fp16/bf16 input: Megatron's and NeMo's mixed variant). Always affine."""
+
+    def __init__(self, normalized_shape, eps=1e-5, **kwargs):
+        if "elementwise_affine" in kwargs:
+            import warnings
+            warnings.warn("MixedFusedLayerNorm does not support `elementwise_affine` argument")
+            elementwise_affine = kwargs.pop("elementwise_affine")
+            if not elementwise_affine:
+                raise RuntimeError("MixedFusedLayerNorm does not support "
+                                   f"`elementwise_affine = {elementwise_affine}`")
+        super().__init__(normalized_shape=normalized_shape, eps=eps, elementwise_affine=True,
+                         **kwargs)
+
+    def forward(self, input):
+        return mixed_dtype_fused_layer_norm_affine(input, self.weight, self.bias,
+                                                   self.normalized_shape, self.eps,
+                                                   self.memory_efficient)
+
+
+class MixedFusedRMSNorm(FusedRMSNorm):
+    """FusedRMSNorm whose output has the weight's dtype. Always affine."""
+
+    def __init__(self, normalized_shape, eps=1e-5, **kwargs):
+        if "elementwise_affine" in kwargs:
+            import warnings
+            warnings.warn("MixedFusedRMSNorm does not support `elementwise_affine` argument")
+            elementwise_affine = kwargs.pop("elementwise_affine")
+            if not elementwise_affine:
+                raise RuntimeError("MixedFusedRMSNorm does not support "
+                                   f"`elementwise_affine = {elementwise_affine}`")
+        super().__init__(normalized_shape=normalized_shape, eps=eps, elementwise_affine=True,
+                         **kwargs)
+
+    def forward(self, input):
+        return mixed_dtype_fused_rms_norm_affine(input, self.weight, self.normalized_shape,
+                                                 self.eps, self.memory_efficient)

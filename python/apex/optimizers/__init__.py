@@ -1,0 +1,8 @@
+"""apex's fused optimizers on apex-cpp's multi-tensor kernels (CPU and CUDA)."""
+from .fused_adagrad import FusedAdagrad
+from .fused_adam import FusedAdam
+from .fused_lamb import FusedLAMB
+from .fused_novograd import FusedNovoGrad
+from .fused_sgd import FusedSGD
+
+__all__ = ["FusedAdam", "FusedSGD", "FusedLAMB", "FusedNovoGrad", "FusedAdagrad"]

@@ -1,0 +1,98 @@
+"""What apex's fused optimizers share here: parameter buckets, the noop flag, and torch's GradScaler
+protocol (``grad_scale`` / ``found_inf`` set on the optimizer before ``step``, so gradients are
+unscaled inside the kernel and an overflow skips the step without unscaling anything)."""
+from collections import defaultdict
+
+import torch
+
+from apex._ops import ops
+
+
+class _FusedOptimizer(torch.optim.Optimizer):
+    # GradScaler hands us its scale and found_inf instead of unscaling the gradients itself.
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, defaults, set_grad_none):
+        super().__init__(params, defaults)
+        self.set_grad_none = set_grad_none
+        self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int)
+
+    def zero_grad(self, set_to_none=None):
+        """Clears the gradients: to None when ``set_grad_none`` (the default of most of apex's
+        optimizers), else to zero, unless ``set_to_none`` says otherwise."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    @staticmethod
+    def _check_legacy(name, **legacy):
+        if any(v is not None for v in legacy.values()):
+            raise RuntimeError(
+                f"{name} has been updated. Simply initialize it identically to torch.optim, and "
+                "call step() with no arguments (grads, output_params, scale and grad_norms are "
+                "gone).")
+
+    def _scaling(self, grad_scaler, device):
+        """(inv_scale, found_inf) one-element fp32 tensors on `device`, or (None, None)."""
+        scale = None
+        found_inf = None
+        if grad_scaler is not None:
+            scale = grad_scaler._get_scale_async()
+            found = grad_scaler._check_inf_per_device(self)
+            found_inf = sum(t.to(device) for t in found.values()) if found else None
+        elif getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
+            scale = getattr(self, "grad_scale", None)
+            found_inf = getattr(self, "found_inf", None)
+        inv = None
+        if scale is not None:
+            inv = (1.0 / scale.to(device=device, dtype=torch.float64)).to(torch.float32).reshape(1)
+        if found_inf is not None:
+            found_inf = found_inf.to(device=device, dtype=torch.float32).reshape(1)
+        return inv, found_inf
+
+    @staticmethod
+    def _on(scaling, device):
+        """(inv_scale, found_inf) moved to `device` (no copy where they already are)."""
+        return tuple(t.to(device) if t is not None else None for t in scaling)
+
+    @staticmethod
+    def _skip(found_inf):
+        """Whether an overflow skips this step (one host read, only with a loss scaler)."""
+        return found_inf is not None and bool(found_inf.item() != 0)
+
+    def _noop(self, device):
+        if self._dummy_overflow_buf.device != device:
+            self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int, device=device)
+        return self._dummy_overflow_buf
+
+    @staticmethod
+    def _buckets(group, name):
+        """The group's parameters that have gradients, by (device, param dtype, grad dtype): one
+        kernel call each."""
+        buckets = defaultdict(list)
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{name} does not support sparse gradients, please consider "
+                                   "SparseAdam instead")
+            if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise RuntimeError(f"{name}: expected float32, float16 or bfloat16 parameters, "
+                                   f"got {p.dtype}")
+            buckets[(p.device, p.dtype, p.grad.dtype)].append(p)
+        return list(buckets.values())
+
+    def _state_zeros(self, p, key):
+        state = self.state[p]
+        if key not in state:
+            state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        return state[key]
+
+    def _master(self, p):
+        """The fp32 master of a half parameter (created from it on first use)."""
+        state = self.state[p]
+        if "master_param" not in state:
+            state["master_param"] = p.detach().clone().to(torch.float32)
+        return state["master_param"]
+
+
+def grads_of(params):
+    return [p.grad for p in params]

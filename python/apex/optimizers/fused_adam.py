@@ -1,0 +1,100 @@
+import torch
+
+from apex._ops import ops
+
+from ._base import _FusedOptimizer, grads_of
+
+
+class FusedAdam(_FusedOptimizer):
+    """Adam (``adam_w_mode=False``) and AdamW (the default, as in apex), all parameters of a group
+    updated in one pass per (device, dtype) through apex-cpp's kernels, on CPU and CUDA tensors.
+
+    apex's signature and state: the step count lives in the param group (``group["step"]``, an
+    int, or a device tensor when ``capturable``); ``exp_avg`` / ``exp_avg_sq`` are fp32 whatever
+    the parameters' dtype. ``master_weights`` keeps fp32 masters of half parameters
+    (``state["master_param"]``), updated in the same pass. Under ``torch.amp.GradScaler`` the
+    gradients are unscaled inside the kernel and an overflow skips the step.
+    """
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+                 adam_w_mode=True, weight_decay=0.0, amsgrad=False, set_grad_none=True,
+                 capturable=False, master_weights=False):
+        if amsgrad:
+            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
+        if master_weights and not capturable:
+            raise RuntimeError("Master weights is currently only supported with the capturable "
+                               "version.")
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(f"FusedAdam: lr, eps and weight_decay must be >= 0, got lr={lr}, "
+                             f"eps={eps}, weight_decay={weight_decay}")
+        for i, b in enumerate(betas):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"FusedAdam: betas[{i}] must be in [0, 1), got {b}")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                        weight_decay=weight_decay)
+        super().__init__(params, defaults, set_grad_none)
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.capturable = capturable
+        self.master_weights = master_weights
+        # fairseq's FusedAdamV2 calls these attributes.
+        import amp_C
+        self.multi_tensor_adam = amp_C.multi_tensor_adam
+        self.multi_tensor_adam_capturable = amp_C.multi_tensor_adam_capturable
+        self.multi_tensor_adam_capturable_master = amp_C.multi_tensor_adam_capturable_master
+        if capturable:
+            for group in self.param_groups:
+                device = group["params"][0].device
+                group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=device)
+                group["step"] = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None,
+             grad_scaler=None):
+        self._check_legacy("FusedAdam", grads=grads, output_params=output_params, scale=scale,
+                           grad_norms=grad_norms)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            scaling = self._scaling(grad_scaler, self.param_groups[0]["params"][0].device)
+            for group in self.param_groups:
+                self._step_group(group, scaling)
+        return loss
+
+    def _step_group(self, group, scaling):
+        buckets = self._buckets(group, "FusedAdam")
+        beta1, beta2 = group["betas"]
+        device = group["params"][0].device
+        inv_scale, found_inf = self._on(scaling, device)
+        if self.capturable:
+            # The counter advances on the device, and only when the step is not skipped.
+            if found_inf is None:
+                group["step"] += 1
+            else:
+                group["step"] += (found_inf == 0).to(group["step"].dtype)
+            step_t = group["step"].to(torch.float32)
+            lr_t = group["lr"] if torch.is_tensor(group["lr"]) else torch.tensor(
+                [group["lr"]], dtype=torch.float32, device=device)
+        else:
+            if self._skip(found_inf):
+                return
+            found_inf = None
+            group["step"] = group.get("step", 0) + 1
+        for params in buckets:
+            masters = [self._master(p) for p in params] if (
+                self.master_weights and params[0].dtype != torch.float32) else []
+            m = [self._state_zeros(p, "exp_avg") for p in params]
+            v = [self._state_zeros(p, "exp_avg_sq") for p in params]
+            noop = self._noop(params[0].device)
+            if self.capturable:
+                ops.multi_tensor_adam(noop, grads_of(params), params, m, v, masters, 0.0, beta1,
+                                      beta2, group["eps"], 1, self.adam_w_mode == 1,
+                                      bool(group["bias_correction"]), group["weight_decay"],
+                                      inv_scale, found_inf, lr_t.reshape(1).to(torch.float32),
+                                      step_t.reshape(1))
+            else:
+                ops.multi_tensor_adam(noop, grads_of(params), params, m, v, masters,
+                                      float(group["lr"]), beta1, beta2, group["eps"],
+                                      int(group["step"]), self.adam_w_mode == 1,
+                                      bool(group["bias_correction"]), group["weight_decay"],
+                                      inv_scale, None)

@@ -1,0 +1,688 @@
+// The Python package's front door: torch custom ops (namespace apex_cpp) over the same kernel
+// layer and tensor glue the C++ library uses (src/bridge, src/kernels, the norms' ops). The
+// Python side (python/apex) adds the fake implementations, autograd and apex's classes.
+//
+// Conventions of apex's amp_C that the multi-tensor ops keep: a one-element noop flag of any
+// integer or float dtype; scale, axpby and the norms set it to 1 on a non-finite value; sgd and the
+// capturable adam skip the step when it is set; plain adam, adagrad, lamb and novograd ignore it.
+#include <ATen/TensorOperators.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/clamp_min.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/full_like.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/logical_not.h>
+#include <ATen/ops/maximum.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <apex/optim/multi_tensor.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "bridge/bridge.h"
+#include "kernels/batch_norm.h"
+#include "kernels/multi_tensor.h"
+#include "normalization/ops.h"
+
+namespace apex::python {
+namespace {
+
+using at::Tensor;
+using TensorList = std::vector<Tensor>;
+
+void check_flag(const Tensor& flag, const char* who) {
+  TORCH_CHECK(flag.defined() && flag.numel() == 1, who,
+              ": noop_flag must be a one-element tensor, got ", flag.sizes());
+}
+
+// The noop flag as the kernels' fp32 flag (a copy on the flag's device).
+Tensor flag_as_float(const Tensor& noop) {
+  return noop.to(noop.options().dtype(at::kFloat)).reshape({1}).contiguous();
+}
+
+// Sets the noop flag where `fp32_flag` (or a non-finite `value`) says so, without a host sync.
+void raise_flag(const Tensor& noop, const Tensor& fp32_flag) {
+  const Tensor merged = at::maximum(noop.reshape({1}).to(at::kFloat), fp32_flag);
+  noop.copy_(merged.reshape(noop.sizes()).to(noop.scalar_type()));
+}
+
+// Every list non-empty and element-wise matching the first; absent lists may be empty.
+void check_lists(const char* who, const std::vector<std::pair<const TensorList*, const char*>>& ls,
+                 size_t required) {
+  const TensorList& ref = *ls.front().first;
+  for (size_t i = 0; i < ls.size(); ++i) {
+    const TensorList& l = *ls[i].first;
+    if (i >= required && l.empty()) continue;
+    bridge::check_list(l, who, ls[i].second);
+    if (i > 0) bridge::check_matching(ref, l, who, ls.front().second, ls[i].second);
+  }
+}
+
+const float* optional_scalar(const std::optional<Tensor>& t, c10::Device device, const char* who,
+                             const char* name) {
+  return t.has_value() ? bridge::scalar_ptr(*t, device, who, name) : nullptr;
+}
+
+// ---- primitives ------------------------------------------------------------------------------
+
+void multi_tensor_scale(const Tensor& noop, const TensorList& src, const TensorList& dst,
+                        double scale) {
+  constexpr const char* who = "multi_tensor_scale";
+  check_flag(noop, who);
+  if (src.empty() && dst.empty()) return;
+  check_lists(who, {{&src, "src"}, {&dst, "dst"}}, 2);
+  const Tensor flag = at::zeros({1}, src.front().options().dtype(at::kFloat));
+  apex::optim::multi_tensor_scale(src, dst, scale, flag);
+  raise_flag(noop, flag.to(noop.device()));
+}
+
+void multi_tensor_axpby(const Tensor& noop, const TensorList& x, const TensorList& y,
+                        const TensorList& out, double a, double b, int64_t arg_to_check) {
+  constexpr const char* who = "multi_tensor_axpby";
+  check_flag(noop, who);
+  TORCH_CHECK(arg_to_check >= -1 && arg_to_check <= 1, who,
+              ": arg_to_check must be -1 (both), 0 (x) or 1 (y), got ", arg_to_check);
+  if (x.empty() && y.empty() && out.empty()) return;
+  check_lists(who, {{&x, "x"}, {&y, "y"}, {&out, "out"}}, 3);
+  const Tensor flag = at::zeros({1}, x.front().options().dtype(at::kFloat));
+  apex::optim::multi_tensor_axpby(x, y, out, a, b, flag, static_cast<int>(arg_to_check));
+  raise_flag(noop, flag.to(noop.device()));
+}
+
+std::tuple<Tensor, Tensor> norms(const char* who, const Tensor& noop, const TensorList& x,
+                                 const std::optional<Tensor>& inv_scale, bool per_tensor) {
+  check_flag(noop, who);
+  if (x.empty()) {
+    const auto opts = noop.options().dtype(at::kFloat);
+    return {at::zeros({1}, opts), at::zeros({0}, opts)};
+  }
+  auto [total, per] = inv_scale.has_value()
+                          ? apex::optim::multi_tensor_unscale_l2norm(x, *inv_scale, per_tensor)
+                          : apex::optim::multi_tensor_l2norm(x, per_tensor);
+  // apex's l2norm sets the flag on a non-finite value, which shows in the total.
+  raise_flag(noop,
+             at::logical_not(at::isfinite(total.reshape({1}))).to(at::kFloat).to(noop.device()));
+  return {total.reshape({1}), per_tensor ? per : at::zeros({0}, total.options())};
+}
+
+std::tuple<Tensor, Tensor> multi_tensor_l2norm(const Tensor& noop, const TensorList& x,
+                                               bool per_tensor) {
+  return norms("multi_tensor_l2norm", noop, x, std::nullopt, per_tensor);
+}
+
+std::tuple<Tensor, Tensor> multi_tensor_unscale_l2norm(const Tensor& noop, const TensorList& x,
+                                                       const Tensor& inv_scale, bool per_tensor) {
+  return norms("multi_tensor_unscale_l2norm", noop, x, inv_scale, per_tensor);
+}
+
+// ---- optimizers ------------------------------------------------------------------------------
+
+void multi_tensor_adam(const Tensor& noop, const TensorList& g, const TensorList& p,
+                       const TensorList& m, const TensorList& v, const TensorList& master,
+                       double lr, double beta1, double beta2, double eps, int64_t step,
+                       bool adam_w_mode, bool bias_correction, double weight_decay,
+                       const std::optional<Tensor>& inv_scale,
+                       const std::optional<Tensor>& found_inf,
+                       const std::optional<Tensor>& lr_tensor,
+                       const std::optional<Tensor>& step_tensor) {
+  constexpr const char* who = "multi_tensor_adam";
+  check_flag(noop, who);
+  if (p.empty()) return;
+  check_lists(who,
+              {{&p, "params"},
+               {&g, "grads"},
+               {&m, "exp_avgs"},
+               {&v, "exp_avg_sqs"},
+               {&master, "master_params"}},
+              4);
+  TORCH_CHECK(step >= 1 || step_tensor.has_value(), who, ": step must be >= 1, got ", step);
+  const c10::Device device = p.front().device();
+  bridge::ListBuilder lists(5);
+  for (size_t i = 0; i < p.size(); ++i) {
+    lists.add({p[i], g[i], m[i], v[i], master.empty() ? Tensor() : master[i]});
+  }
+  kernels::AdamArgs args;
+  args.lr = static_cast<float>(lr);
+  args.beta1 = static_cast<float>(beta1);
+  args.beta2 = static_cast<float>(beta2);
+  args.eps = static_cast<float>(eps);
+  args.weight_decay = static_cast<float>(weight_decay);
+  args.adam_w_mode = adam_w_mode;
+  args.bias_correction = bias_correction;
+  args.step = step;
+  args.lr_ptr = optional_scalar(lr_tensor, device, who, "lr");
+  args.step_ptr = optional_scalar(step_tensor, device, who, "step");
+  args.amp.inv_scale = optional_scalar(inv_scale, device, who, "inv_scale");
+  args.amp.found_inf = optional_scalar(found_inf, device, who, "found_inf");
+  const auto view = lists.view();
+  bridge::launch(device, kernels::cpu::adam, kernels::cuda::adam, view, args);
+}
+
+void multi_tensor_sgd(const Tensor& noop, const TensorList& g, const TensorList& p,
+                      const TensorList& momentum_buf, const TensorList& master, double lr,
+                      double momentum, double dampening, double weight_decay, bool nesterov,
+                      bool first_run, bool wd_after_momentum, double scale) {
+  constexpr const char* who = "multi_tensor_sgd";
+  check_flag(noop, who);
+  if (p.empty()) return;
+  check_lists(who,
+              {{&p, "params"},
+               {&g, "grads"},
+               {&momentum_buf, "momentum_buffers"},
+               {&master, "master_params"}},
+              2);
+  TORCH_CHECK(momentum == 0 || !momentum_buf.empty(), who, ": momentum ", momentum,
+              " needs the momentum buffers");
+  const c10::Device device = p.front().device();
+  bridge::ListBuilder lists(4);
+  for (size_t i = 0; i < p.size(); ++i) {
+    lists.add({p[i], g[i], momentum_buf.empty() ? Tensor() : momentum_buf[i],
+               master.empty() ? Tensor() : master[i]});
+  }
+  // The step is skipped when the noop flag is already set (apex's early exit).
+  const Tensor flag = flag_as_float(noop).to(device);
+  const Tensor inv = at::full({1}, scale, p.front().options().dtype(at::kFloat));
+  kernels::SgdArgs args;
+  args.lr = static_cast<float>(lr);
+  args.momentum = static_cast<float>(momentum);
+  args.dampening = static_cast<float>(dampening);
+  args.weight_decay = static_cast<float>(weight_decay);
+  args.nesterov = nesterov;
+  args.first_run = first_run;
+  args.wd_after_momentum = wd_after_momentum;
+  args.amp.inv_scale = inv.data_ptr<float>();
+  args.amp.found_inf = flag.data_ptr<float>();
+  const auto view = lists.view();
+  bridge::launch(device, kernels::cpu::sgd, kernels::cuda::sgd, view, args);
+}
+
+void multi_tensor_adagrad(const Tensor& noop, const TensorList& g, const TensorList& p,
+                          const TensorList& h, const TensorList& master, double lr, double eps,
+                          bool adagrad_w_mode, double weight_decay,
+                          const std::optional<Tensor>& inv_scale,
+                          const std::optional<Tensor>& found_inf) {
+  constexpr const char* who = "multi_tensor_adagrad";
+  check_flag(noop, who);
+  if (p.empty()) return;
+  check_lists(who, {{&p, "params"}, {&g, "grads"}, {&h, "state_sums"}, {&master, "master_params"}},
+              3);
+  const c10::Device device = p.front().device();
+  bridge::ListBuilder lists(4);
+  for (size_t i = 0; i < p.size(); ++i) {
+    lists.add({p[i], g[i], h[i], master.empty() ? Tensor() : master[i]});
+  }
+  kernels::AdagradArgs args;
+  args.lr = static_cast<float>(lr);
+  args.eps = static_cast<float>(eps);
+  args.weight_decay = static_cast<float>(weight_decay);
+  args.adagrad_w_mode = adagrad_w_mode;
+  args.amp.inv_scale = optional_scalar(inv_scale, device, who, "inv_scale");
+  args.amp.found_inf = optional_scalar(found_inf, device, who, "found_inf");
+  const auto view = lists.view();
+  bridge::launch(device, kernels::cpu::adagrad, kernels::cuda::adagrad, view, args);
+}
+
+void multi_tensor_lamb(const Tensor& noop, const TensorList& g, const TensorList& p,
+                       const TensorList& m, const TensorList& v, const TensorList& master,
+                       double lr, double beta1, double beta2, double eps, int64_t step,
+                       bool bias_correction, double weight_decay, bool grad_averaging,
+                       bool adam_w_mode, const Tensor& global_grad_norm, double max_grad_norm,
+                       bool use_nvlamb, const std::optional<Tensor>& inv_scale,
+                       const std::optional<Tensor>& found_inf) {
+  constexpr const char* who = "multi_tensor_lamb";
+  check_flag(noop, who);
+  if (p.empty()) return;
+  check_lists(who,
+              {{&p, "params"},
+               {&g, "grads"},
+               {&m, "exp_avgs"},
+               {&v, "exp_avg_sqs"},
+               {&master, "master_params"}},
+              4);
+  TORCH_CHECK(step >= 1, who, ": step must be >= 1, got ", step);
+  const c10::Device device = p.front().device();
+  bridge::ListBuilder lists(5);
+  for (size_t i = 0; i < p.size(); ++i) {
+    lists.add({p[i], g[i], m[i], v[i], master.empty() ? Tensor() : master[i]});
+  }
+  const auto opts = p.front().options().dtype(at::kFloat);
+  const Tensor u_sumsq = at::zeros({lists.size()}, opts);
+  const Tensor p_sumsq = at::zeros({lists.size()}, opts);
+  const Tensor gnorm = global_grad_norm.to(opts).reshape({1}).contiguous();
+  kernels::LambArgs args;
+  args.lr = static_cast<float>(lr);
+  args.beta1 = static_cast<float>(beta1);
+  args.beta2 = static_cast<float>(beta2);
+  args.beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.0f;
+  args.eps = static_cast<float>(eps);
+  args.weight_decay = static_cast<float>(weight_decay);
+  args.bias_correction1 =
+      bias_correction ? static_cast<float>(1.0 - std::pow(beta1, static_cast<double>(step))) : 1.0f;
+  args.bias_correction2 =
+      bias_correction ? static_cast<float>(1.0 - std::pow(beta2, static_cast<double>(step))) : 1.0f;
+  args.adam_w_mode = adam_w_mode;
+  args.use_nvlamb = use_nvlamb;
+  args.max_grad_norm = static_cast<float>(max_grad_norm);
+  args.global_grad_norm = gnorm.data_ptr<float>();
+  args.u_sumsq = u_sumsq.data_ptr<float>();
+  args.p_sumsq = p_sumsq.data_ptr<float>();
+  args.amp.inv_scale = optional_scalar(inv_scale, device, who, "inv_scale");
+  args.amp.found_inf = optional_scalar(found_inf, device, who, "found_inf");
+  const auto view = lists.view();
+  bridge::launch(device, kernels::cpu::lamb_stage1, kernels::cuda::lamb_stage1, view, args);
+  bridge::launch(device, kernels::cpu::lamb_stage2, kernels::cuda::lamb_stage2, view, args);
+}
+
+void multi_tensor_novograd(const Tensor& noop, const TensorList& g, const TensorList& p,
+                           const TensorList& m, const TensorList& master, const Tensor& v,
+                           double lr, double beta1, double beta2, double eps, int64_t step,
+                           bool bias_correction, double weight_decay, bool grad_averaging,
+                           bool reg_inside_moment, const std::optional<Tensor>& inv_scale,
+                           const std::optional<Tensor>& found_inf) {
+  constexpr const char* who = "multi_tensor_novograd";
+  check_flag(noop, who);
+  if (p.empty()) return;
+  check_lists(who, {{&p, "params"}, {&g, "grads"}, {&m, "exp_avgs"}, {&master, "master_params"}},
+              3);
+  TORCH_CHECK(step >= 1, who, ": step must be >= 1, got ", step);
+  TORCH_CHECK(v.numel() == static_cast<int64_t>(p.size()), who, ": grad_norms has ", v.numel(),
+              " elements, expected one per tensor (", p.size(), ")");
+  const c10::Device device = p.front().device();
+  bridge::ListBuilder lists(4);
+  for (size_t i = 0; i < p.size(); ++i) {
+    lists.add({p[i], g[i], m[i], master.empty() ? Tensor() : master[i]});
+  }
+  const Tensor vf = v.to(p.front().options().dtype(at::kFloat)).contiguous();
+  kernels::NovoGradArgs args;
+  args.lr = static_cast<float>(lr);
+  args.beta1 = static_cast<float>(beta1);
+  args.beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.0f;
+  args.eps = static_cast<float>(eps);
+  args.weight_decay = static_cast<float>(weight_decay);
+  args.bias_correction1 =
+      bias_correction ? static_cast<float>(1.0 - std::pow(beta1, static_cast<double>(step))) : 1.0f;
+  args.bias_correction2 =
+      bias_correction
+          ? static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))))
+          : 1.0f;
+  args.reg_inside_moment = reg_inside_moment;
+  args.v = vf.data_ptr<float>();
+  args.amp.inv_scale = optional_scalar(inv_scale, device, who, "inv_scale");
+  args.amp.found_inf = optional_scalar(found_inf, device, who, "found_inf");
+  const auto view = lists.view();
+  bridge::launch(device, kernels::cpu::novograd, kernels::cuda::novograd, view, args);
+}
+
+// apex's update_scale_hysteresis: torch's _amp_update_scale_ that backs off only after
+// `hysteresis` consecutive overflows. Tensor ops, so it runs where the tensors are, unsynced.
+void update_scale_hysteresis(const Tensor& scale, const Tensor& growth_tracker,
+                             const Tensor& hysteresis_tracker, const Tensor& found_inf,
+                             double growth_factor, double backoff_factor, int64_t growth_interval,
+                             int64_t hysteresis) {
+  constexpr const char* who = "update_scale_hysteresis";
+  for (const Tensor* t : {&scale, &growth_tracker, &hysteresis_tracker, &found_inf}) {
+    TORCH_CHECK(t->numel() == 1, who, ": expected one-element tensors");
+  }
+  TORCH_CHECK(growth_interval >= 1 && hysteresis >= 1, who,
+              ": growth_interval and hysteresis must be >= 1");
+  const Tensor inf = found_inf.to(scale.device()).reshape({}).ne(0);
+  const Tensor hyst = hysteresis_tracker.reshape({});
+  const Tensor growth = growth_tracker.reshape({});
+  // Overflow: one hysteresis step used; back off when none are left.
+  const Tensor hyst_after = at::where(inf, hyst - 1, hyst);
+  const Tensor back_off = inf.logical_and(hyst_after.le(0));
+  // Clean: count towards growth; grow when the interval is reached (and the result is finite).
+  const Tensor growth_after = at::where(inf, at::zeros_like(growth), growth + 1);
+  const Tensor grow = growth_after.ge(growth_interval);
+  const Tensor grown = scale * growth_factor;
+  Tensor new_scale = at::where(back_off, scale * backoff_factor,
+                               at::where(grow.logical_and(at::isfinite(grown)), grown, scale));
+  scale.copy_(new_scale);
+  growth_tracker.copy_(
+      at::where(grow, at::zeros_like(growth), growth_after).reshape(growth_tracker.sizes()));
+  // The budget refills after a clean step (apex); it stays at zero tolerance until then.
+  hysteresis_tracker.copy_(
+      at::where(inf, at::clamp_min(hyst_after, 0), at::full_like(hyst, hysteresis))
+          .reshape(hysteresis_tracker.sizes()));
+}
+
+// ---- norms -------------------------------------------------------------------------------------
+
+const char* norm_who(bool rms) { return rms ? "FusedRMSNorm" : "FusedLayerNorm"; }
+
+std::tuple<Tensor, Tensor, Tensor> fused_norm_fwd(const Tensor& input,
+                                                  at::IntArrayRef normalized_shape,
+                                                  const std::optional<Tensor>& weight,
+                                                  const std::optional<Tensor>& bias, double eps,
+                                                  bool rms, bool mixed, bool memory_efficient) {
+  auto r =
+      normalization::ops::forward(norm_who(rms), input, normalized_shape, weight.value_or(Tensor()),
+                                  bias.value_or(Tensor()), eps, rms, mixed, memory_efficient);
+  // Custom ops return defined tensors: RMSNorm's absent mean as an empty one.
+  if (!r[1].defined()) r[1] = at::empty({0}, r[2].options());
+  return {r[0], r[1], r[2]};
+}
+
+std::tuple<Tensor, Tensor, Tensor> fused_norm_bwd(
+    const Tensor& grad_out, const Tensor& saved, const Tensor& mean, const Tensor& rstd,
+    const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
+    at::IntArrayRef normalized_shape, double eps, bool rms, bool mixed, bool memory_efficient,
+    at::ScalarType input_dtype, std::array<bool, 3> output_mask) {
+  auto r = normalization::ops::backward(norm_who(rms), grad_out, saved, mean, rstd,
+                                        weight.value_or(Tensor()), bias.value_or(Tensor()),
+                                        normalized_shape, eps, rms, mixed, memory_efficient,
+                                        input_dtype, output_mask);
+  // Gradients not asked for come back empty (Python turns them into None).
+  for (Tensor& t : r) {
+    if (!t.defined()) t = at::empty({0}, saved.options());
+  }
+  return {r[0], r[1], r[2]};
+}
+
+// The autograd of fused_norm_fwd, in C++ (a Python registration cost ~40 us per call): the
+// forward and backward ops are called through the dispatcher, so under torch.compile they reach
+// their fake implementations.
+class NormFunction : public torch::autograd::Function<NormFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const Tensor& input, std::vector<int64_t> shape,
+                                                const std::optional<Tensor>& weight,
+                                                const std::optional<Tensor>& bias, double eps,
+                                                bool rms, bool mixed, bool memory_efficient) {
+    static const auto fwd = c10::Dispatcher::singleton()
+                                .findSchemaOrThrow("apex_cpp::fused_norm_fwd", "")
+                                .typed<decltype(fused_norm_fwd)>();
+    Tensor y, mean, rstd;
+    {
+      const at::AutoDispatchBelowADInplaceOrView below;
+      std::tie(y, mean, rstd) =
+          fwd.call(input, shape, weight, bias, eps, rms, mixed, memory_efficient);
+    }
+    ctx->mark_non_differentiable({mean, rstd});
+    // memory_efficient keeps the output and recomputes x_hat = (y - bias) / weight (apex's).
+    ctx->save_for_backward({memory_efficient ? y : input, mean, rstd, weight.value_or(Tensor()),
+                            bias.value_or(Tensor())});
+    ctx->saved_data["shape"] = c10::IValue(shape);
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["flags"] = c10::IValue(
+        std::vector<bool>{rms, mixed, memory_efficient, weight.has_value(), bias.has_value()});
+    ctx->saved_data["input_dtype"] = static_cast<int64_t>(input.scalar_type());
+    return {y, mean, rstd};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static const auto bwd = c10::Dispatcher::singleton()
+                                .findSchemaOrThrow("apex_cpp::fused_norm_bwd", "")
+                                .typed<decltype(fused_norm_bwd)>();
+    const auto saved = ctx->get_saved_variables();
+    const auto flags = ctx->saved_data["flags"].toBoolList();
+    const bool has_w = flags.get(3);
+    const bool has_b = flags.get(4);
+    // needs_input_grad counts the tensor inputs present: input, then weight and bias if given.
+    const std::array<bool, 3> want = {ctx->needs_input_grad(0), has_w && ctx->needs_input_grad(1),
+                                      has_b && ctx->needs_input_grad(has_w ? 2 : 1)};
+    Tensor none;
+    if (!grads[0].defined()) return {none, none, none, none, none, none, none, none};
+    const auto shape = ctx->saved_data["shape"].toIntVector();
+    auto [dx, dw, db] =
+        bwd.call(grads[0], saved[0], saved[1], saved[2],
+                 has_w ? std::optional<Tensor>(saved[3]) : std::nullopt,
+                 has_b ? std::optional<Tensor>(saved[4]) : std::nullopt, shape,
+                 ctx->saved_data["eps"].toDouble(), flags.get(0), flags.get(1), flags.get(2),
+                 static_cast<at::ScalarType>(ctx->saved_data["input_dtype"].toInt()), want);
+    return {want[0] ? dx : none,
+            none,
+            want[1] ? dw : none,
+            want[2] ? db : none,
+            none,
+            none,
+            none,
+            none};
+  }
+};
+
+std::tuple<Tensor, Tensor, Tensor> fused_norm_fwd_autograd(
+    const Tensor& input, at::IntArrayRef normalized_shape, const std::optional<Tensor>& weight,
+    const std::optional<Tensor>& bias, double eps, bool rms, bool mixed, bool memory_efficient) {
+  auto r = NormFunction::apply(input, normalized_shape.vec(), weight, bias, eps, rms, mixed,
+                               memory_efficient);
+  return {r[0], r[1], r[2]};
+}
+
+// ---- batch norm (SyncBatchNorm's per-rank pieces, CPU) ------------------------------------------
+
+struct BnLayout {
+  kernels::BatchNormShape shape;
+  at::MemoryFormat format;
+};
+
+BnLayout bn_layout(const Tensor& x, const char* who) {
+  TORCH_CHECK(x.dim() >= 2, who, ": expected an input of at least 2 dimensions (N, C, ...), got ",
+              x.sizes());
+  TORCH_CHECK(x.device().is_cpu(), who,
+              ": these kernels run on the CPU (on CUDA, apex.parallel "
+              "uses torch's own SyncBatchNorm kernels), got a tensor on ",
+              x.device());
+  const int64_t n = x.size(0);
+  const int64_t c = x.size(1);
+  const int64_t spatial = c == 0 || n == 0 ? 0 : x.numel() / (n * c);
+  const bool cl =
+      (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast) && !x.is_contiguous()) ||
+      (x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d) && !x.is_contiguous());
+  if (cl) {
+    return {{n * spatial, c, 1},
+            x.dim() == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d};
+  }
+  return {{n, c, spatial}, at::MemoryFormat::Contiguous};
+}
+
+Tensor float_channels(const Tensor& t, int64_t c, const char* who, const char* name) {
+  TORCH_CHECK(t.numel() == c, who, ": ", name, " has ", t.numel(), " elements, expected ", c);
+  return t.to(at::kFloat).contiguous();
+}
+
+Tensor batch_norm_stats(const Tensor& input) {
+  constexpr const char* who = "batch_norm_stats";
+  const BnLayout l = bn_layout(input, who);
+  const Tensor x = input.contiguous(l.format);
+  const int64_t c = l.shape.channels;
+  Tensor out = at::zeros({2 * c + 1}, input.options().dtype(at::kDouble));
+  kernels::BatchNormStatsArgs a;
+  a.shape = l.shape;
+  a.dtype = bridge::kernel_dtype(x, who);
+  a.x = x.data_ptr();
+  a.mean = out.data_ptr<double>();
+  a.m2 = out.data_ptr<double>() + c;
+  kernels::cpu::batch_norm_stats(a);
+  out.data_ptr<double>()[2 * c] = static_cast<double>(l.shape.outer * l.shape.inner);
+  return out;
+}
+
+// out = a * (u - mean) + b * v + k per channel; v optional.
+Tensor elemt(const char* who, const Tensor& u, const Tensor* v, const Tensor& mean, const Tensor& a,
+             const Tensor* b, const Tensor& k) {
+  const BnLayout l = bn_layout(u, who);
+  const int64_t c = l.shape.channels;
+  const Tensor x = u.contiguous(l.format);
+  const Tensor dy = v != nullptr ? v->contiguous(l.format) : Tensor();
+  TORCH_CHECK(v == nullptr || v->sizes() == u.sizes(), who, ": the gradient has shape ",
+              v == nullptr ? u.sizes() : v->sizes(), ", expected ", u.sizes());
+  const Tensor mf = float_channels(mean, c, who, "mean");
+  const Tensor af = float_channels(a, c, who, "a");
+  const Tensor kf = float_channels(k, c, who, "k");
+  const Tensor bf = b != nullptr ? float_channels(*b, c, who, "b") : Tensor();
+  Tensor out = at::empty_like(x, x.options(), l.format);
+  kernels::BatchNormElemtArgs e;
+  e.shape = l.shape;
+  e.u_dtype = e.out_dtype = bridge::kernel_dtype(x, who);
+  e.u = x.data_ptr();
+  if (v != nullptr) {
+    e.v_dtype = bridge::kernel_dtype(dy, who);
+    e.v = dy.data_ptr();
+    e.b = bf.data_ptr<float>();
+  }
+  e.out = out.data_ptr();
+  e.a = af.data_ptr<float>();
+  e.m = mf.data_ptr<float>();
+  e.k = kf.data_ptr<float>();
+  if (x.numel() > 0) kernels::cpu::batch_norm_elemt(e);
+  return out;
+}
+
+Tensor batch_norm_elemt(const Tensor& input, const Tensor& mean, const Tensor& scale,
+                        const Tensor& shift) {
+  return elemt("batch_norm_elemt", input, nullptr, mean, scale, nullptr, shift);
+}
+
+Tensor batch_norm_backward_elemt(const Tensor& grad_out, const Tensor& input, const Tensor& mean,
+                                 const Tensor& a, const Tensor& b, const Tensor& k) {
+  return elemt("batch_norm_backward_elemt", input, &grad_out, mean, a, &b, k);
+}
+
+Tensor batch_norm_backward_reduce(const Tensor& grad_out, const Tensor& input,
+                                  const Tensor& mean64) {
+  constexpr const char* who = "batch_norm_backward_reduce";
+  const BnLayout l = bn_layout(input, who);
+  const int64_t c = l.shape.channels;
+  TORCH_CHECK(grad_out.sizes() == input.sizes(), who, ": the gradient has shape ", grad_out.sizes(),
+              ", expected ", input.sizes());
+  TORCH_CHECK(mean64.numel() == c, who, ": mean has ", mean64.numel(), " elements, expected ", c);
+  const Tensor x = input.contiguous(l.format);
+  const Tensor dy = grad_out.contiguous(l.format);
+  const Tensor m = mean64.to(at::kDouble).contiguous();
+  Tensor sums = at::zeros({2 * c}, input.options().dtype(at::kDouble));
+  kernels::BatchNormBackwardReduceArgs r;
+  r.shape = l.shape;
+  r.x_dtype = bridge::kernel_dtype(x, who);
+  r.dy_dtype = bridge::kernel_dtype(dy, who);
+  r.x = x.data_ptr();
+  r.dy = dy.data_ptr();
+  r.mean = m.data_ptr<double>();
+  r.sum_dy = sums.data_ptr<double>();
+  r.sum_dy_xmu = sums.data_ptr<double>() + c;
+  kernels::cpu::batch_norm_backward_reduce(r);
+  return sums;
+}
+
+std::string cpu_isa() { return apex::optim::cpu_kernel_isa(); }
+
+// For python -m apex.bench: seconds per call of the C++ multi_tensor_scale, called n times from
+// C++ (what a Python call adds is measured against it in the same process).
+double bench_scale_calls(const Tensor& noop, const TensorList& x, const TensorList& y, int64_t n) {
+  TORCH_CHECK(n >= 1 && n <= (int64_t{1} << 30), "bench_scale_calls: n must be in [1, 2^30]");
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < n; ++i) multi_tensor_scale(noop, x, y, 1.0);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
+         static_cast<double>(n);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(apex_cpp, m) {
+  m.def(
+      "multi_tensor_scale(Tensor(a!) noop_flag, Tensor[] src, Tensor(b!)[] dst, float scale) -> "
+      "()");
+  m.def(
+      "multi_tensor_axpby(Tensor(a!) noop_flag, Tensor[] x, Tensor[] y, Tensor(b!)[] out, float a, "
+      "float b, int arg_to_check) -> ()");
+  m.def(
+      "multi_tensor_l2norm(Tensor(a!) noop_flag, Tensor[] tensors, bool per_tensor) -> "
+      "(Tensor, Tensor)");
+  m.def(
+      "multi_tensor_unscale_l2norm(Tensor(a!) noop_flag, Tensor[] tensors, Tensor inv_scale, "
+      "bool per_tensor) -> (Tensor, Tensor)");
+  m.def(
+      "multi_tensor_adam(Tensor(a!) noop_flag, Tensor[] grads, Tensor(b!)[] params, "
+      "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] master_params, float lr, "
+      "float beta1, float beta2, float eps, int step, bool adam_w_mode, bool bias_correction, "
+      "float weight_decay, Tensor? inv_scale=None, Tensor? found_inf=None, Tensor? lr_tensor=None, "
+      "Tensor? step_tensor=None) -> ()");
+  m.def(
+      "multi_tensor_sgd(Tensor(a!) noop_flag, Tensor[] grads, Tensor(b!)[] params, "
+      "Tensor(c!)[] momentum_buffers, Tensor(d!)[] master_params, float lr, float momentum, "
+      "float dampening, float weight_decay, bool nesterov, bool first_run, "
+      "bool wd_after_momentum, float scale) -> ()");
+  m.def(
+      "multi_tensor_adagrad(Tensor(a!) noop_flag, Tensor[] grads, Tensor(b!)[] params, "
+      "Tensor(c!)[] state_sums, Tensor(d!)[] master_params, float lr, float eps, "
+      "bool adagrad_w_mode, float weight_decay, Tensor? inv_scale=None, "
+      "Tensor? found_inf=None) -> ()");
+  m.def(
+      "multi_tensor_lamb(Tensor(a!) noop_flag, Tensor[] grads, Tensor(b!)[] params, "
+      "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] master_params, float lr, "
+      "float beta1, float beta2, float eps, int step, bool bias_correction, float weight_decay, "
+      "bool grad_averaging, bool adam_w_mode, Tensor global_grad_norm, float max_grad_norm, "
+      "bool use_nvlamb, Tensor? inv_scale=None, Tensor? found_inf=None) -> ()");
+  m.def(
+      "multi_tensor_novograd(Tensor(a!) noop_flag, Tensor[] grads, Tensor(b!)[] params, "
+      "Tensor(c!)[] exp_avgs, Tensor(d!)[] master_params, Tensor grad_norms, float lr, "
+      "float beta1, float beta2, float eps, int step, bool bias_correction, float weight_decay, "
+      "bool grad_averaging, bool reg_inside_moment, Tensor? inv_scale=None, "
+      "Tensor? found_inf=None) -> ()");
+  m.def(
+      "update_scale_hysteresis(Tensor(a!) current_scale, Tensor(b!) growth_tracker, "
+      "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
+      "float backoff_factor, int growth_interval, int hysteresis) -> ()");
+  m.def(
+      "fused_norm_fwd(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, "
+      "float eps, bool rms, bool mixed, bool memory_efficient) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "fused_norm_bwd(Tensor grad_out, Tensor saved, Tensor mean, Tensor rstd, Tensor? weight, "
+      "Tensor? bias, int[] normalized_shape, float eps, bool rms, bool mixed, "
+      "bool memory_efficient, ScalarType input_dtype, bool[3] output_mask) -> "
+      "(Tensor, Tensor, Tensor)");
+  m.def("batch_norm_stats(Tensor input) -> Tensor");
+  m.def("batch_norm_elemt(Tensor input, Tensor mean, Tensor scale, Tensor shift) -> Tensor");
+  m.def("batch_norm_backward_reduce(Tensor grad_out, Tensor input, Tensor mean) -> Tensor");
+  m.def(
+      "batch_norm_backward_elemt(Tensor grad_out, Tensor input, Tensor mean, Tensor a, Tensor b, "
+      "Tensor k) -> Tensor");
+  m.def("cpu_isa() -> str", &cpu_isa);
+  m.def("bench_scale_calls(Tensor noop_flag, Tensor[] x, Tensor[] y, int n) -> float",
+        &bench_scale_calls);
+}
+
+// The kernels take CPU and CUDA tensors alike (the bridge picks the backend).
+#define APEX_PYTHON_IMPLS(m)                                           \
+  m.impl("multi_tensor_scale", &multi_tensor_scale);                   \
+  m.impl("multi_tensor_axpby", &multi_tensor_axpby);                   \
+  m.impl("multi_tensor_l2norm", &multi_tensor_l2norm);                 \
+  m.impl("multi_tensor_unscale_l2norm", &multi_tensor_unscale_l2norm); \
+  m.impl("multi_tensor_adam", &multi_tensor_adam);                     \
+  m.impl("multi_tensor_sgd", &multi_tensor_sgd);                       \
+  m.impl("multi_tensor_adagrad", &multi_tensor_adagrad);               \
+  m.impl("multi_tensor_lamb", &multi_tensor_lamb);                     \
+  m.impl("multi_tensor_novograd", &multi_tensor_novograd);             \
+  m.impl("update_scale_hysteresis", &update_scale_hysteresis);         \
+  m.impl("fused_norm_fwd", &fused_norm_fwd);                           \
+  m.impl("fused_norm_bwd", &fused_norm_bwd);
+
+TORCH_LIBRARY_IMPL(apex_cpp, CPU, m) {
+  APEX_PYTHON_IMPLS(m)
+  m.impl("batch_norm_stats", &batch_norm_stats);
+  m.impl("batch_norm_elemt", &batch_norm_elemt);
+  m.impl("batch_norm_backward_reduce", &batch_norm_backward_reduce);
+  m.impl("batch_norm_backward_elemt", &batch_norm_backward_elemt);
+}
+
+TORCH_LIBRARY_IMPL(apex_cpp, CUDA, m){APEX_PYTHON_IMPLS(m)}
+
+TORCH_LIBRARY_IMPL(apex_cpp, Autograd, m) {
+  m.impl("fused_norm_fwd", &fused_norm_fwd_autograd);
+}
+
+}  // namespace apex::python

@@ -1,0 +1,156 @@
+"""apex.amp: apex's README example at every opt level converging like fp32, overflow injection
+skipping exactly those steps, state_dict round trips, the private names real code touches."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from apex import amp
+from apex.optimizers import FusedAdam
+
+
+def blobs(n=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(3, 16, generator=torch.Generator().manual_seed(7)) * 2
+    y = torch.randint(0, 3, (n,), generator=g)
+    return centers[y] + torch.randn(n, 16, generator=g), y
+
+
+def model_and_opt(seed=0, fused=False):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32),
+                                torch.nn.ReLU(), torch.nn.Linear(32, 3))
+    opt = (FusedAdam(model.parameters(), lr=1e-2) if fused
+           else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    return model, opt
+
+
+def train(model, opt, steps=60, use_amp=True, inject=()):
+    x, y = blobs()
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        if use_amp:
+            with amp.scale_loss(loss, opt) as scaled_loss:
+                scaled_loss.backward()
+                if step in inject:
+                    next(model.parameters()).grad[0, 0] = float("inf")
+        else:
+            loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2", "O3"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_readme_example_converges_like_fp32(opt_level, fused):
+    ref_model, ref_opt = model_and_opt(fused=fused)
+    ref = train(ref_model, ref_opt, use_amp=False)
+    model, opt = model_and_opt(fused=fused)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+    losses = train(model, opt)
+    assert losses[-1] < 0.25 * losses[0]
+    assert abs(losses[-1] - ref[-1]) < 0.1 + 0.2 * ref[-1], (losses[-1], ref[-1])
+    if opt_level in ("O2", "O3"):
+        assert model[0].weight.dtype == torch.bfloat16  # the CPU's default half type
+        assert model[1].weight.dtype == (torch.float32 if opt_level == "O2" else torch.bfloat16)
+    if opt_level == "O2":
+        masters = list(amp.master_params(opt))
+        assert all(m.dtype == torch.float32 for m in masters)
+    if opt_level == "O0":
+        assert losses == ref  # O0 is plain fp32 training
+
+
+def test_overflow_skips_exactly_those_steps_fp16():
+    model, opt = model_and_opt()
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16,
+                                verbosity=0)
+    scaler = amp._amp_state.loss_scalers[0]
+    assert scaler.dynamic and scaler.loss_scale() == 2.0 ** 16
+    x, y = blobs()
+    for step in range(6):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        before = [p.detach().clone() for p in model.parameters()]
+        masters = [m.detach().clone() for m in amp.master_params(opt)]
+        scale = scaler.loss_scale()
+        with amp.scale_loss(loss, opt) as scaled_loss:
+            scaled_loss.backward()
+            if step in (2, 4):
+                model[0].weight.grad[0, 0] = float("inf")
+        opt.step()
+        same = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        same_masters = all(torch.equal(a, b) for a, b in zip(masters, amp.master_params(opt)))
+        if step in (2, 4):
+            assert same and same_masters, step
+            assert scaler.loss_scale() == scale / 2
+        else:
+            assert not same, step
+
+
+def test_state_dict_round_trip_with_masters():
+    model, opt = model_and_opt()
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16,
+                                verbosity=0)
+    train(model, opt, steps=5, inject=(1,))
+    state = copy.deepcopy(amp.state_dict())
+    assert state["loss_scaler0"]["loss_scale"] == 2.0 ** 15
+    assert "master_params" in state
+    # The masters of the half parameters (fp32 ones, batchnorm's, are the model's own).
+    saved_masters = [m.detach().clone() for m in opt._amp_stash.all_fp32_from_fp16_params]
+    model2, opt2 = model_and_opt(seed=5)
+    model2, opt2 = amp.initialize(model2, opt2, opt_level="O2", half_dtype=torch.float16,
+                                  verbosity=0)
+    amp.load_state_dict(state)
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0 ** 15
+    for a, b, half in zip(saved_masters, opt2._amp_stash.all_fp32_from_fp16_params,
+                          opt2._amp_stash.all_fp16_params):
+        assert torch.equal(a, b)
+        assert torch.equal(half, a.half())  # and the model follows its masters
+    bad = copy.deepcopy(state)
+    bad["loss_scaler0"]["loss_scale"] = 3.4e38
+    with pytest.raises(RuntimeError, match="outside"):
+        amp.load_state_dict(bad)
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0 ** 15
+
+
+def test_private_loss_scale_is_writable():
+    # NVIDIA's DLE BERT: amp._amp_state.loss_scalers[0]._loss_scale = 2**20
+    model, opt = model_and_opt()
+    model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.float16,
+                                verbosity=0)
+    amp._amp_state.loss_scalers[0]._loss_scale = 2 ** 20
+    loss = torch.tensor(1.5, requires_grad=True)
+    with amp.scale_loss(loss, opt) as scaled:
+        assert scaled.item() == 1.5 * 2 ** 20
+
+
+def test_gradient_accumulation_with_delay_unscale():
+    model, opt = model_and_opt()
+    ref_model, ref_opt = model_and_opt()
+    model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.float16,
+                                loss_scale=128.0, verbosity=0)
+    x, y = blobs()
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    for i, (xs, ys) in enumerate(((x[:128], y[:128]), (x[128:], y[128:]))):
+        with amp.scale_loss(F.cross_entropy(model(xs), ys), opt, delay_unscale=i == 0) as s:
+            s.backward()
+        F.cross_entropy(ref_model(xs), ys).backward()
+    for p, r in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=2e-2, atol=2e-3)
+
+
+def test_bad_input_messages():
+    model, opt = model_and_opt()
+    with pytest.raises(RuntimeError, match="Unexpected optimization level 'O4'"):
+        amp.initialize(model, opt, opt_level="O4")
+    with pytest.raises(RuntimeError, match="letter O, not the number zero"):
+        amp.initialize(model, opt, opt_level="00")
+    with pytest.raises(RuntimeError, match="It doesn't make sense to use master_weights with O1"):
+        amp.initialize(model, opt, opt_level="O1", master_weights=True)
+    with pytest.raises(RuntimeError, match="must be float32"):
+        amp.initialize(model.half(), opt, opt_level="O2")

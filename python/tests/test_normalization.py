@@ -1,0 +1,140 @@
+"""apex.normalization against torch.nn.functional.layer_norm and a float64 RMSNorm, forward and
+backward; memory_efficient; the mixed variants; apex's functional defaults; torch.compile."""
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from apex.normalization import (FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm,
+                                MixedFusedRMSNorm)
+from apex.normalization import fused_layer_norm as fln
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (1e-3, 1e-3)}
+
+
+def rms_reference(x, w, eps):
+    x64 = x.double()
+    y = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    return y * w.double() if w is not None else y
+
+
+def inputs(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 2 + 0.5).to(dtype).requires_grad_()
+    w = (torch.rand(shape[-1:], generator=g) + 0.5).requires_grad_()
+    b = torch.randn(shape[-1:], generator=g).requires_grad_()
+    dy = torch.randn(shape, generator=g).to(dtype)
+    return x, w, b, dy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(4, 7), (3, 5, 1024), (2, 300)])
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_layer_norm_matches_torch(dtype, shape, memory_efficient):
+    x, w, b, dy = inputs(shape, dtype)
+    m = FusedLayerNorm(shape[-1], memory_efficient=memory_efficient)
+    with torch.no_grad():
+        m.weight.copy_(w)
+        m.bias.copy_(b)
+    y = m(x)
+    assert y.dtype == dtype
+    y.backward(dy)
+    xr = x.detach().double().requires_grad_()
+    wr = w.detach().double().requires_grad_()
+    br = b.detach().double().requires_grad_()
+    yr = F.layer_norm(xr, shape[-1:], wr, br, 1e-5)
+    yr.backward(dy.double())
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(y.double(), yr, rtol=rtol, atol=atol)
+    torch.testing.assert_close(x.grad.double(), xr.grad, rtol=rtol, atol=atol * 10)
+    torch.testing.assert_close(m.weight.grad.double(), wr.grad, rtol=rtol, atol=atol * 100)
+    torch.testing.assert_close(m.bias.grad.double(), br.grad, rtol=rtol, atol=atol * 100)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_float64(dtype):
+    x, w, _, dy = inputs((6, 768), dtype)
+    m = FusedRMSNorm(768, eps=1e-6)
+    with torch.no_grad():
+        m.weight.copy_(w)
+    assert [n for n, _ in m.named_parameters()] == ["weight"]  # T5 checkpoints load with one key
+    y = m(x)
+    y.backward(dy)
+    xr = x.detach().double().requires_grad_()
+    wr = w.detach().double().requires_grad_()
+    yr = rms_reference(xr, wr, 1e-6)
+    yr.backward(dy.double())
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(y.double(), yr, rtol=rtol, atol=atol)
+    torch.testing.assert_close(x.grad.double(), xr.grad, rtol=rtol, atol=atol * 10)
+    torch.testing.assert_close(m.weight.grad.double(), wr.grad, rtol=rtol, atol=atol * 100)
+
+
+def test_mixed_variants_return_the_parameters_dtype():
+    x, w, b, _ = inputs((4, 64), torch.bfloat16)
+    ln = MixedFusedLayerNorm(64)
+    assert ln(x).dtype == torch.float32
+    rms = MixedFusedRMSNorm(64)
+    assert rms(x).dtype == torch.float32
+    with pytest.raises(RuntimeError, match="does not support `elementwise_affine = False`"):
+        with pytest.warns(UserWarning):
+            MixedFusedLayerNorm(64, elementwise_affine=False)
+
+
+def test_functional_forms_keep_apex_defaults_and_signatures():
+    # eps 1e-6 in the functional forms (the modules' is 1e-5).
+    assert inspect.signature(fln.fused_layer_norm_affine).parameters["eps"].default == 1e-6
+    assert inspect.signature(fln.fused_rms_norm).parameters["eps"].default == 1e-6
+    # Megatron checks whether memory_efficient is a parameter of the Function's forward.
+    assert "memory_efficient" in inspect.getfullargspec(
+        fln.FusedLayerNormAffineFunction.forward).args
+    x, w, b, dy = inputs((5, 33), torch.float32)
+    y = fln.FusedLayerNormAffineFunction.apply(x, w, b, (33,), 1e-5, False)
+    y.backward(dy)
+    xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    F.layer_norm(xr, (33,), wr, br, 1e-5).backward(dy)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, wr.grad, rtol=1e-5, atol=1e-4)
+    y2 = fln.FusedRMSNormAffineFunction.apply(x.detach(), w.detach(), (33,), 1e-5)
+    torch.testing.assert_close(y2.double(), rms_reference(x.detach(), w.detach(), 1e-5),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_autocast_casts_like_apex():
+    x, w, b, _ = inputs((4, 64), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fln.fused_layer_norm_affine(x, w, b, (64,))
+    assert y.dtype == torch.bfloat16
+
+
+def test_gradcheck_in_float64():
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(8, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: fln.fused_layer_norm_affine(*a, (8,), 1e-5),
+                                    (x, w, b))
+    assert torch.autograd.gradcheck(lambda *a: fln.fused_rms_norm_affine(*a, (8,), 1e-5), (x, w))
+
+
+def test_torch_compile_traces_without_graph_breaks():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), FusedLayerNorm(32), torch.nn.GELU(),
+                                FusedRMSNorm(32))
+    x = torch.randn(4, 32)
+    explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    y = compiled(x)
+    torch.testing.assert_close(y, model(x))
+    y.sum().backward()
+    assert model[1].weight.grad is not None
+
+
+def test_bad_input_messages():
+    m = FusedLayerNorm(16)
+    with pytest.raises(RuntimeError, match=r"normalized_shape \[16\] does not match"):
+        m(torch.randn(4, 15))
+    with pytest.raises(RuntimeError, match="eps must be > 0"):
+        fln.fused_layer_norm(torch.randn(2, 4), (4,), eps=0.0)
+    with pytest.raises(RuntimeError, match="input must be a floating-point tensor"):
+        fln.fused_layer_norm(torch.ones(2, 4, dtype=torch.int64), (4,))
