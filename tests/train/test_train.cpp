@@ -422,6 +422,9 @@ TEST_F(TrainFiles, BinaryErrorsAreOneLineAndNonZero) {
       {"--model wav2vec2 --data wav --data-dir " + path("badwav") + " --opt-level O1",
        "sample rate 44100 Hz, expected 16000"},
       {"--model mlp --opt-level O1 --resume --checkpoint " + path("none"), "no checkpoint in"},
+      {"--width 65536 --depth 100 --opt-level O1", "would have at least 5.15396e+12 parameters"},
+      {"--model resnet --train-size 67108864 --image-size 4096 --opt-level O1",
+       "the built-in shapes data"},
   };
   for (const auto& [args, message] : cases) {
     const Proc p = run(std::string(APEX_TRAIN_EXE) + " --no-progress " + args);
