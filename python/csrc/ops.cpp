@@ -33,9 +33,9 @@
 #include <vector>
 
 #include "bridge/bridge.h"
-#include "kernels/batch_norm.h"
 #include "kernels/multi_tensor.h"
 #include "normalization/ops.h"
+#include "parallel/batch_norm_ops.h"
 
 namespace apex::python {
 namespace {
@@ -69,6 +69,36 @@ void check_lists(const char* who, const std::vector<std::pair<const TensorList*,
     bridge::check_list(l, who, ls[i].second);
     if (i > 0) bridge::check_matching(ref, l, who, ls.front().second, ls[i].second);
   }
+}
+
+// The kernel's rows from the lists, after check_lists: list i of row r is lists[i][r], or absent
+// (undefined) where an optional list is empty.
+bridge::ListBuilder build_lists(const char* who,
+                                const std::vector<std::pair<const TensorList*, const char*>>& ls,
+                                size_t required) {
+  check_lists(who, ls, required);
+  bridge::ListBuilder b(static_cast<int>(ls.size()));
+  std::vector<Tensor> row(ls.size());
+  for (size_t r = 0; r < ls.front().first->size(); ++r) {
+    for (size_t i = 0; i < ls.size(); ++i) {
+      row[i] = ls[i].first->empty() ? Tensor() : (*ls[i].first)[r];
+    }
+    b.add(row);
+  }
+  return b;
+}
+
+// Adam-style lists: params, grads, both moments, optional fp32 masters.
+bridge::ListBuilder moment_lists(const char* who, const TensorList& p, const TensorList& g,
+                                 const TensorList& m, const TensorList& v,
+                                 const TensorList& master) {
+  return build_lists(who,
+                     {{&p, "params"},
+                      {&g, "grads"},
+                      {&m, "exp_avgs"},
+                      {&v, "exp_avg_sqs"},
+                      {&master, "master_params"}},
+                     4);
 }
 
 const float* optional_scalar(const std::optional<Tensor>& t, c10::Device device, const char* who,
@@ -141,19 +171,9 @@ void multi_tensor_adam(const Tensor& noop, const TensorList& g, const TensorList
   constexpr const char* who = "multi_tensor_adam";
   check_flag(noop, who);
   if (p.empty()) return;
-  check_lists(who,
-              {{&p, "params"},
-               {&g, "grads"},
-               {&m, "exp_avgs"},
-               {&v, "exp_avg_sqs"},
-               {&master, "master_params"}},
-              4);
+  const bridge::ListBuilder lists = moment_lists(who, p, g, m, v, master);
   TORCH_CHECK(step >= 1 || step_tensor.has_value(), who, ": step must be >= 1, got ", step);
   const c10::Device device = p.front().device();
-  bridge::ListBuilder lists(5);
-  for (size_t i = 0; i < p.size(); ++i) {
-    lists.add({p[i], g[i], m[i], v[i], master.empty() ? Tensor() : master[i]});
-  }
   kernels::AdamArgs args;
   args.lr = static_cast<float>(lr);
   args.beta1 = static_cast<float>(beta1);
@@ -178,20 +198,15 @@ void multi_tensor_sgd(const Tensor& noop, const TensorList& g, const TensorList&
   constexpr const char* who = "multi_tensor_sgd";
   check_flag(noop, who);
   if (p.empty()) return;
-  check_lists(who,
-              {{&p, "params"},
-               {&g, "grads"},
-               {&momentum_buf, "momentum_buffers"},
-               {&master, "master_params"}},
-              2);
+  const bridge::ListBuilder lists = build_lists(who,
+                                                {{&p, "params"},
+                                                 {&g, "grads"},
+                                                 {&momentum_buf, "momentum_buffers"},
+                                                 {&master, "master_params"}},
+                                                2);
   TORCH_CHECK(momentum == 0 || !momentum_buf.empty(), who, ": momentum ", momentum,
               " needs the momentum buffers");
   const c10::Device device = p.front().device();
-  bridge::ListBuilder lists(4);
-  for (size_t i = 0; i < p.size(); ++i) {
-    lists.add({p[i], g[i], momentum_buf.empty() ? Tensor() : momentum_buf[i],
-               master.empty() ? Tensor() : master[i]});
-  }
   // The step is skipped when the noop flag is already set (apex's early exit).
   const Tensor flag = flag_as_float(noop).to(device);
   const Tensor inv = at::full({1}, scale, p.front().options().dtype(at::kFloat));
@@ -217,13 +232,9 @@ void multi_tensor_adagrad(const Tensor& noop, const TensorList& g, const TensorL
   constexpr const char* who = "multi_tensor_adagrad";
   check_flag(noop, who);
   if (p.empty()) return;
-  check_lists(who, {{&p, "params"}, {&g, "grads"}, {&h, "state_sums"}, {&master, "master_params"}},
-              3);
+  const bridge::ListBuilder lists = build_lists(
+      who, {{&p, "params"}, {&g, "grads"}, {&h, "state_sums"}, {&master, "master_params"}}, 3);
   const c10::Device device = p.front().device();
-  bridge::ListBuilder lists(4);
-  for (size_t i = 0; i < p.size(); ++i) {
-    lists.add({p[i], g[i], h[i], master.empty() ? Tensor() : master[i]});
-  }
   kernels::AdagradArgs args;
   args.lr = static_cast<float>(lr);
   args.eps = static_cast<float>(eps);
@@ -245,19 +256,9 @@ void multi_tensor_lamb(const Tensor& noop, const TensorList& g, const TensorList
   constexpr const char* who = "multi_tensor_lamb";
   check_flag(noop, who);
   if (p.empty()) return;
-  check_lists(who,
-              {{&p, "params"},
-               {&g, "grads"},
-               {&m, "exp_avgs"},
-               {&v, "exp_avg_sqs"},
-               {&master, "master_params"}},
-              4);
+  const bridge::ListBuilder lists = moment_lists(who, p, g, m, v, master);
   TORCH_CHECK(step >= 1, who, ": step must be >= 1, got ", step);
   const c10::Device device = p.front().device();
-  bridge::ListBuilder lists(5);
-  for (size_t i = 0; i < p.size(); ++i) {
-    lists.add({p[i], g[i], m[i], v[i], master.empty() ? Tensor() : master[i]});
-  }
   const auto opts = p.front().options().dtype(at::kFloat);
   const Tensor u_sumsq = at::zeros({lists.size()}, opts);
   const Tensor p_sumsq = at::zeros({lists.size()}, opts);
@@ -295,16 +296,12 @@ void multi_tensor_novograd(const Tensor& noop, const TensorList& g, const Tensor
   constexpr const char* who = "multi_tensor_novograd";
   check_flag(noop, who);
   if (p.empty()) return;
-  check_lists(who, {{&p, "params"}, {&g, "grads"}, {&m, "exp_avgs"}, {&master, "master_params"}},
-              3);
+  const bridge::ListBuilder lists = build_lists(
+      who, {{&p, "params"}, {&g, "grads"}, {&m, "exp_avgs"}, {&master, "master_params"}}, 3);
   TORCH_CHECK(step >= 1, who, ": step must be >= 1, got ", step);
   TORCH_CHECK(v.numel() == static_cast<int64_t>(p.size()), who, ": grad_norms has ", v.numel(),
               " elements, expected one per tensor (", p.size(), ")");
   const c10::Device device = p.front().device();
-  bridge::ListBuilder lists(4);
-  for (size_t i = 0; i < p.size(); ++i) {
-    lists.add({p[i], g[i], m[i], master.empty() ? Tensor() : master[i]});
-  }
   const Tensor vf = v.to(p.front().options().dtype(at::kFloat)).contiguous();
   kernels::NovoGradArgs args;
   args.lr = static_cast<float>(lr);
@@ -465,117 +462,28 @@ std::tuple<Tensor, Tensor, Tensor> fused_norm_fwd_autograd(
 
 // ---- batch norm (SyncBatchNorm's per-rank pieces, CPU) ------------------------------------------
 
-struct BnLayout {
-  kernels::BatchNormShape shape;
-  at::MemoryFormat format;
-};
-
-BnLayout bn_layout(const Tensor& x, const char* who) {
-  TORCH_CHECK(x.dim() >= 2, who, ": expected an input of at least 2 dimensions (N, C, ...), got ",
-              x.sizes());
-  TORCH_CHECK(x.device().is_cpu(), who,
-              ": these kernels run on the CPU (on CUDA, apex.parallel "
-              "uses torch's own SyncBatchNorm kernels), got a tensor on ",
-              x.device());
-  const int64_t n = x.size(0);
-  const int64_t c = x.size(1);
-  const int64_t spatial = c == 0 || n == 0 ? 0 : x.numel() / (n * c);
-  const bool cl =
-      (x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast) && !x.is_contiguous()) ||
-      (x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d) && !x.is_contiguous());
-  if (cl) {
-    return {{n * spatial, c, 1},
-            x.dim() == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d};
-  }
-  return {{n, c, spatial}, at::MemoryFormat::Contiguous};
-}
-
-Tensor float_channels(const Tensor& t, int64_t c, const char* who, const char* name) {
-  TORCH_CHECK(t.numel() == c, who, ": ", name, " has ", t.numel(), " elements, expected ", c);
-  return t.to(at::kFloat).contiguous();
-}
-
+// The CPU kernels' wrappers the C++ SyncBatchNorm uses (parallel/batch_norm_ops.h); the
+// collectives run in Python (apex.parallel.SyncBatchNorm).
 Tensor batch_norm_stats(const Tensor& input) {
-  constexpr const char* who = "batch_norm_stats";
-  const BnLayout l = bn_layout(input, who);
-  const Tensor x = input.contiguous(l.format);
-  const int64_t c = l.shape.channels;
-  Tensor out = at::zeros({2 * c + 1}, input.options().dtype(at::kDouble));
-  kernels::BatchNormStatsArgs a;
-  a.shape = l.shape;
-  a.dtype = bridge::kernel_dtype(x, who);
-  a.x = x.data_ptr();
-  a.mean = out.data_ptr<double>();
-  a.m2 = out.data_ptr<double>() + c;
-  kernels::cpu::batch_norm_stats(a);
-  out.data_ptr<double>()[2 * c] = static_cast<double>(l.shape.outer * l.shape.inner);
-  return out;
-}
-
-// out = a * (u - mean) + b * v + k per channel; v optional.
-Tensor elemt(const char* who, const Tensor& u, const Tensor* v, const Tensor& mean, const Tensor& a,
-             const Tensor* b, const Tensor& k) {
-  const BnLayout l = bn_layout(u, who);
-  const int64_t c = l.shape.channels;
-  const Tensor x = u.contiguous(l.format);
-  const Tensor dy = v != nullptr ? v->contiguous(l.format) : Tensor();
-  TORCH_CHECK(v == nullptr || v->sizes() == u.sizes(), who, ": the gradient has shape ",
-              v == nullptr ? u.sizes() : v->sizes(), ", expected ", u.sizes());
-  const Tensor mf = float_channels(mean, c, who, "mean");
-  const Tensor af = float_channels(a, c, who, "a");
-  const Tensor kf = float_channels(k, c, who, "k");
-  const Tensor bf = b != nullptr ? float_channels(*b, c, who, "b") : Tensor();
-  Tensor out = at::empty_like(x, x.options(), l.format);
-  kernels::BatchNormElemtArgs e;
-  e.shape = l.shape;
-  e.u_dtype = e.out_dtype = bridge::kernel_dtype(x, who);
-  e.u = x.data_ptr();
-  if (v != nullptr) {
-    e.v_dtype = bridge::kernel_dtype(dy, who);
-    e.v = dy.data_ptr();
-    e.b = bf.data_ptr<float>();
-  }
-  e.out = out.data_ptr();
-  e.a = af.data_ptr<float>();
-  e.m = mf.data_ptr<float>();
-  e.k = kf.data_ptr<float>();
-  if (x.numel() > 0) kernels::cpu::batch_norm_elemt(e);
-  return out;
+  return parallel::detail::batch_norm_stats(input, "batch_norm_stats");
 }
 
 Tensor batch_norm_elemt(const Tensor& input, const Tensor& mean, const Tensor& scale,
                         const Tensor& shift) {
-  return elemt("batch_norm_elemt", input, nullptr, mean, scale, nullptr, shift);
+  return parallel::detail::batch_norm_elemt("batch_norm_elemt", input, nullptr, mean, scale,
+                                            nullptr, shift);
 }
 
 Tensor batch_norm_backward_elemt(const Tensor& grad_out, const Tensor& input, const Tensor& mean,
                                  const Tensor& a, const Tensor& b, const Tensor& k) {
-  return elemt("batch_norm_backward_elemt", input, &grad_out, mean, a, &b, k);
+  return parallel::detail::batch_norm_elemt("batch_norm_backward_elemt", input, &grad_out, mean, a,
+                                            &b, k);
 }
 
 Tensor batch_norm_backward_reduce(const Tensor& grad_out, const Tensor& input,
                                   const Tensor& mean64) {
-  constexpr const char* who = "batch_norm_backward_reduce";
-  const BnLayout l = bn_layout(input, who);
-  const int64_t c = l.shape.channels;
-  TORCH_CHECK(grad_out.sizes() == input.sizes(), who, ": the gradient has shape ", grad_out.sizes(),
-              ", expected ", input.sizes());
-  TORCH_CHECK(mean64.numel() == c, who, ": mean has ", mean64.numel(), " elements, expected ", c);
-  const Tensor x = input.contiguous(l.format);
-  const Tensor dy = grad_out.contiguous(l.format);
-  const Tensor m = mean64.to(at::kDouble).contiguous();
-  Tensor sums = at::zeros({2 * c}, input.options().dtype(at::kDouble));
-  kernels::BatchNormBackwardReduceArgs r;
-  r.shape = l.shape;
-  r.x_dtype = bridge::kernel_dtype(x, who);
-  r.dy_dtype = bridge::kernel_dtype(dy, who);
-  r.x = x.data_ptr();
-  r.dy = dy.data_ptr();
-  r.mean = m.data_ptr<double>();
-  r.sum_dy = sums.data_ptr<double>();
-  r.sum_dy_xmu = sums.data_ptr<double>() + c;
-  kernels::cpu::batch_norm_backward_reduce(r);
-  return sums;
+  return parallel::detail::batch_norm_backward_reduce("batch_norm_backward_reduce", grad_out, input,
+                                                      mean64);
 }
 
 std::string cpu_isa() { return apex::optim::cpu_kernel_isa(); }

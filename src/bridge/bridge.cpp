@@ -29,7 +29,7 @@ kernels::DType kernel_dtype(at::ScalarType t, const char* who) {
   }
 }
 
-void ListBuilder::add(std::initializer_list<at::Tensor> row) {
+void ListBuilder::add(at::ArrayRef<at::Tensor> row) {
   TORCH_INTERNAL_ASSERT(static_cast<int>(row.size()) == num_lists_);
   const bool first = numel_.empty();
   int l = 0;

@@ -25,7 +25,7 @@ class ListBuilder {
  public:
   explicit ListBuilder(int num_lists) : num_lists_(num_lists) {}
   /// Appends tensor i of every list; absent optional lists pass undefined tensors.
-  void add(std::initializer_list<at::Tensor> row);
+  void add(at::ArrayRef<at::Tensor> row);
   int64_t size() const { return static_cast<int64_t>(numel_.size()); }
   kernels::TensorLists view() const;
 

@@ -8,8 +8,7 @@
 
 #include <cmath>
 
-#include "bridge/bridge.h"
-#include "kernels/batch_norm.h"
+#include "parallel/batch_norm_ops.h"
 
 namespace apex::parallel {
 namespace {
@@ -20,33 +19,6 @@ struct GroupCapsule : torch::CustomClassHolder {
   explicit GroupCapsule(ProcessGroup g) : group(std::move(g)) {}
   ProcessGroup group;
 };
-
-// x viewed as [outer, C, inner] in its own memory order, and that order for tensors like it.
-struct Layout {
-  kernels::BatchNormShape shape;
-  at::MemoryFormat format = at::MemoryFormat::Contiguous;
-};
-
-Layout layout_of(const at::Tensor& x) {
-  Layout l;
-  const int64_t n = x.size(0), c = x.size(1);
-  const int64_t numel = x.numel();
-  const bool cl =
-      (x.dim() == 4 && !x.is_contiguous() && x.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
-      (x.dim() == 5 && !x.is_contiguous() && x.is_contiguous(at::MemoryFormat::ChannelsLast3d));
-  l.format = !cl            ? at::MemoryFormat::Contiguous
-             : x.dim() == 4 ? at::MemoryFormat::ChannelsLast
-                            : at::MemoryFormat::ChannelsLast3d;
-  l.shape.channels = c;
-  if (cl) {
-    l.shape.outer = c > 0 ? numel / c : 0;
-    l.shape.inner = 1;
-  } else {
-    l.shape.outer = n;
-    l.shape.inner = n * c > 0 ? numel / (n * c) : 1;
-  }
-  return l;
-}
 
 at::Tensor float_or_ones(const at::Tensor& t, int64_t c) {
   return t.defined() ? t.detach().to(at::kFloat).contiguous() : at::ones({c}, at::kFloat);
@@ -67,20 +39,12 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     at::Tensor running_mean = running_mean_opt.value_or(at::Tensor());
     at::Tensor running_var = running_var_opt.value_or(at::Tensor());
     at::Tensor num_batches_tracked = num_batches_tracked_opt.value_or(at::Tensor());
-    const Layout l = layout_of(input);
+    const detail::BatchNormLayout l = detail::batch_norm_layout(input, kWho);
     const at::Tensor x = input.contiguous(l.format);
     const int64_t C = l.shape.channels;
     const auto dbl = at::TensorOptions().dtype(at::kDouble);
     // Local statistics, then [mean, m2, count] of every rank, merged in rank order (Chan).
-    at::Tensor local = at::zeros({2 * C + 1}, dbl);
-    kernels::BatchNormStatsArgs sa;
-    sa.shape = l.shape;
-    sa.dtype = bridge::kernel_dtype(x, kWho);
-    sa.x = x.data_ptr();
-    sa.mean = local.data_ptr<double>();
-    sa.m2 = local.data_ptr<double>() + C;
-    kernels::cpu::batch_norm_stats(sa);
-    local.data_ptr<double>()[2 * C] = static_cast<double>(l.shape.outer * l.shape.inner);
+    const at::Tensor local = detail::batch_norm_stats(x, kWho);
     const std::vector<at::Tensor> all = group.all_gather(local);
     std::vector<double> mean(C, 0.0), m2(C, 0.0);
     double total = 0;
@@ -120,16 +84,7 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     const at::Tensor b =
         bias.defined() ? bias.detach().to(at::kFloat).contiguous() : at::zeros({C}, at::kFloat);
     const at::Tensor scale = w * invstd_f;
-    at::Tensor y = at::empty_like(x, x.options(), l.format);
-    kernels::BatchNormElemtArgs ea;
-    ea.shape = l.shape;
-    ea.u_dtype = ea.out_dtype = sa.dtype;
-    ea.u = x.data_ptr();
-    ea.out = y.data_ptr();
-    ea.a = scale.data_ptr<float>();
-    ea.m = mean_f.data_ptr<float>();
-    ea.k = b.data_ptr<float>();
-    kernels::cpu::batch_norm_elemt(ea);
+    at::Tensor y = detail::batch_norm_elemt(kWho, x, nullptr, mean_f, scale, nullptr, b);
 
     ctx->save_for_backward({x, weight});
     ctx->saved_data["mean"] = mean_f;
@@ -151,20 +106,9 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     const double total = ctx->saved_data["total"].toDouble();
     const auto capsule = ctx->saved_data["group"].toCapsule();
     const ProcessGroup& group = static_cast<GroupCapsule*>(capsule.get())->group;
-    const Layout l = layout_of(x);
-    const int64_t C = l.shape.channels;
-    const at::Tensor dy = grads[0].contiguous(l.format);
-    at::Tensor sums = at::zeros({2 * C}, at::TensorOptions().dtype(at::kDouble));
-    kernels::BatchNormBackwardReduceArgs ra;
-    ra.shape = l.shape;
-    ra.x_dtype = bridge::kernel_dtype(x, kWho);
-    ra.dy_dtype = bridge::kernel_dtype(dy, kWho);
-    ra.x = x.data_ptr();
-    ra.dy = dy.data_ptr();
-    ra.mean = mean64.data_ptr<double>();
-    ra.sum_dy = sums.data_ptr<double>();
-    ra.sum_dy_xmu = sums.data_ptr<double>() + C;
-    kernels::cpu::batch_norm_backward_reduce(ra);
+    const int64_t C = x.size(1);
+    const at::Tensor dy = grads[0];
+    at::Tensor sums = detail::batch_norm_backward_reduce(kWho, dy, x, mean64);
     at::Tensor grad_weight, grad_bias, grad_input;
     if (weight.defined() && ctx->needs_input_grad(1)) {
       grad_weight = (sums.slice(0, C, 2 * C).to(at::kFloat) * invstd).to(weight.scalar_type());
@@ -183,20 +127,7 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
       const at::Tensor b = (w * invstd).contiguous();
       const at::Tensor a = (-(w * invstd * invstd * invstd) * s_dyx * inv_n).contiguous();
       const at::Tensor k = (-(w * invstd) * s_dy * inv_n).contiguous();
-      grad_input = at::empty_like(x, x.options(), l.format);
-      kernels::BatchNormElemtArgs ea;
-      ea.shape = l.shape;
-      ea.u_dtype = ra.x_dtype;
-      ea.v_dtype = ra.dy_dtype;
-      ea.out_dtype = ra.x_dtype;
-      ea.u = x.data_ptr();
-      ea.v = dy.data_ptr();
-      ea.out = grad_input.data_ptr();
-      ea.a = a.data_ptr<float>();
-      ea.m = mean.data_ptr<float>();
-      ea.b = b.data_ptr<float>();
-      ea.k = k.data_ptr<float>();
-      kernels::cpu::batch_norm_elemt(ea);
+      grad_input = detail::batch_norm_elemt(kWho, x, &dy, mean, a, &b, k);
     }
     return {grad_input,   grad_weight,  grad_bias,    at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};

@@ -194,15 +194,10 @@ def mixed_dtype_fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6,
 
 # ---- modules --------------------------------------------------------------------------------------
 
-class FusedLayerNorm(torch.nn.Module):
-    r"""LayerNorm over the trailing ``normalized_shape`` dimensions, as ``torch.nn.LayerNorm``
-    (apex's FusedLayerNorm: same arguments, parameters ``weight`` and ``bias``, output in the
-    input's dtype). ``memory_efficient`` saves the output instead of the input for the backward.
-    Runs apex-cpp's kernels on CPU and CUDA tensors alike (apex fell back to ``F.layer_norm`` off
-    CUDA)."""
+class _FusedNorm(torch.nn.Module):
+    """What the two norms' modules share: apex's arguments, parameters and repr."""
 
-    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True,
-                 memory_efficient=False):
+    def __init__(self, normalized_shape, eps, elementwise_affine, memory_efficient, has_bias):
         super().__init__()
         self.normalized_shape = torch.Size(_shape(normalized_shape))
         self._shape_list = list(self.normalized_shape)
@@ -211,16 +206,35 @@ class FusedLayerNorm(torch.nn.Module):
         self.memory_efficient = memory_efficient
         if self.elementwise_affine:
             self.weight = Parameter(torch.empty(*self.normalized_shape))
-            self.bias = Parameter(torch.empty(*self.normalized_shape))
         else:
             self.register_parameter("weight", None)
+        if self.elementwise_affine and has_bias:
+            self.bias = Parameter(torch.empty(*self.normalized_shape))
+        elif has_bias:
             self.register_parameter("bias", None)
         self.reset_parameters()
 
     def reset_parameters(self):
         if self.elementwise_affine:
             init.ones_(self.weight)
-            init.zeros_(self.bias)
+            if getattr(self, "bias", None) is not None:
+                init.zeros_(self.bias)
+
+    def extra_repr(self):
+        return ("{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}"
+                .format(**self.__dict__))
+
+
+class FusedLayerNorm(_FusedNorm):
+    r"""LayerNorm over the trailing ``normalized_shape`` dimensions, as ``torch.nn.LayerNorm``
+    (apex's FusedLayerNorm: same arguments, parameters ``weight`` and ``bias``, output in the
+    input's dtype). ``memory_efficient`` saves the output instead of the input for the backward.
+    Runs apex-cpp's kernels on CPU and CUDA tensors alike (apex fell back to ``F.layer_norm`` off
+    CUDA)."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True,
+                 memory_efficient=False):
+        super().__init__(normalized_shape, eps, elementwise_affine, memory_efficient, True)
 
     def forward(self, input):
         if not torch.is_autocast_enabled(input.device.type):
@@ -232,32 +246,14 @@ class FusedLayerNorm(torch.nn.Module):
                                            self.eps, self.memory_efficient)
         return fused_layer_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
 
-    def extra_repr(self):
-        return ("{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}"
-                .format(**self.__dict__))
 
-
-class FusedRMSNorm(torch.nn.Module):
+class FusedRMSNorm(_FusedNorm):
     r"""RMSNorm: ``x / sqrt(mean(x^2) + eps) * weight`` over the trailing ``normalized_shape``
     dimensions (apex's FusedRMSNorm: one parameter, ``weight``)."""
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True,
                  memory_efficient=False):
-        super().__init__()
-        self.normalized_shape = torch.Size(_shape(normalized_shape))
-        self._shape_list = list(self.normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        self.memory_efficient = memory_efficient
-        if self.elementwise_affine:
-            self.weight = Parameter(torch.empty(*self.normalized_shape))
-        else:
-            self.register_parameter("weight", None)
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        if self.elementwise_affine:
-            init.ones_(self.weight)
+        super().__init__(normalized_shape, eps, elementwise_affine, memory_efficient, False)
 
     def forward(self, input):
         if not torch.is_autocast_enabled(input.device.type):
@@ -268,9 +264,16 @@ class FusedRMSNorm(torch.nn.Module):
                                          self.memory_efficient)
         return fused_rms_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
 
-    def extra_repr(self):
-        return ("{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}"
-                .format(**self.__dict__))
+
+def _always_affine(name, kwargs):
+    """apex's mixed variants warn about `elementwise_affine` and refuse it False."""
+    if "elementwise_affine" in kwargs:
+        import warnings
+        warnings.warn(f"{name} does not support `elementwise_affine` argument")
+        elementwise_affine = kwargs.pop("elementwise_affine")
+        if not elementwise_affine:
+            raise RuntimeError(f"{name} does not support "
+                               f"`elementwise_affine = {elementwise_affine}`")
 
 
 class MixedFusedLayerNorm(FusedLayerNorm):
@@ -278,13 +281,7 @@ class MixedFusedLayerNorm(FusedLayerNorm):
     fp16/bf16 input: Megatron's and NeMo's mixed variant). Always affine."""
 
     def __init__(self, normalized_shape, eps=1e-5, **kwargs):
-        if "elementwise_affine" in kwargs:
-            import warnings
-            warnings.warn("MixedFusedLayerNorm does not support `elementwise_affine` argument")
-            elementwise_affine = kwargs.pop("elementwise_affine")
-            if not elementwise_affine:
-                raise RuntimeError("MixedFusedLayerNorm does not support "
-                                   f"`elementwise_affine = {elementwise_affine}`")
+        _always_affine("MixedFusedLayerNorm", kwargs)
         super().__init__(normalized_shape=normalized_shape, eps=eps, elementwise_affine=True,
                          **kwargs)
 
@@ -298,13 +295,7 @@ class MixedFusedRMSNorm(FusedRMSNorm):
     """FusedRMSNorm whose output has the weight's dtype. Always affine."""
 
     def __init__(self, normalized_shape, eps=1e-5, **kwargs):
-        if "elementwise_affine" in kwargs:
-            import warnings
-            warnings.warn("MixedFusedRMSNorm does not support `elementwise_affine` argument")
-            elementwise_affine = kwargs.pop("elementwise_affine")
-            if not elementwise_affine:
-                raise RuntimeError("MixedFusedRMSNorm does not support "
-                                   f"`elementwise_affine = {elementwise_affine}`")
+        _always_affine("MixedFusedRMSNorm", kwargs)
         super().__init__(normalized_shape=normalized_shape, eps=eps, elementwise_affine=True,
                          **kwargs)
 

@@ -22,6 +22,24 @@ class _FusedOptimizer(torch.optim.Optimizer):
         optimizers), else to zero, unless ``set_to_none`` says otherwise."""
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
+    def step(self, closure=None):
+        """One step of every group; `closure`, when given, is called first with grad enabled and
+        its loss returned."""
+        return self._run(closure, None)
+
+    def _run(self, closure, grad_scaler):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._step(self._scaling(grad_scaler, self.param_groups[0]["params"][0].device))
+        return loss
+
+    def _step(self, scaling):
+        for group in self.param_groups:
+            self._step_group(group, scaling)
+
     @staticmethod
     def _check_legacy(name, **legacy):
         if any(v is not None for v in legacy.values()):

@@ -21,17 +21,6 @@ class FusedAdagrad(_FusedOptimizer):
         import amp_C
         self.multi_tensor_adagrad = amp_C.multi_tensor_adagrad
 
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with torch.no_grad():
-            scaling = self._scaling(None, self.param_groups[0]["params"][0].device)
-            for group in self.param_groups:
-                self._step_group(group, scaling)
-        return loss
-
     def _step_group(self, group, scaling):
         buckets = self._buckets(group, "FusedAdagrad")
         if not buckets:

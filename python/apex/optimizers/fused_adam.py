@@ -51,15 +51,7 @@ class FusedAdam(_FusedOptimizer):
              grad_scaler=None):
         self._check_legacy("FusedAdam", grads=grads, output_params=output_params, scale=scale,
                            grad_norms=grad_norms)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with torch.no_grad():
-            scaling = self._scaling(grad_scaler, self.param_groups[0]["params"][0].device)
-            for group in self.param_groups:
-                self._step_group(group, scaling)
-        return loss
+        return self._run(closure, grad_scaler)
 
     def _step_group(self, group, scaling):
         buckets = self._buckets(group, "FusedAdam")

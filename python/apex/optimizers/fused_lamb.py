@@ -31,23 +31,13 @@ class FusedLAMB(_FusedOptimizer):
         self.multi_tensor_l2norm = amp_C.multi_tensor_l2norm
         self.multi_tensor_lamb = amp_C.multi_tensor_lamb
 
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with torch.no_grad():
-            self._step()
-        return loss
-
-    def _step(self):
+    def _step(self, scaling):
         buckets = [(group, self._buckets(group, "FusedLAMB")) for group in self.param_groups]
         all_params = [p for _, bs in buckets for b in bs for p in b]
         if not all_params:
             return
         device0 = all_params[0].device
-        scaling = self._scaling(None, device0)
-        inv0, found0 = scaling
+        inv0, found0 = self._on(scaling, device0)
         if self._skip(found0):
             return
         # The global norm of the unscaled gradients, over every group and dtype.

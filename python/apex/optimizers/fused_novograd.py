@@ -29,17 +29,6 @@ class FusedNovoGrad(_FusedOptimizer):
         import amp_C
         self.multi_tensor_novograd = amp_C.multi_tensor_novograd
 
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with torch.no_grad():
-            scaling = self._scaling(None, self.param_groups[0]["params"][0].device)
-            for group in self.param_groups:
-                self._step_group(group, scaling)
-        return loss
-
     def _step_group(self, group, scaling):
         buckets = self._buckets(group, "FusedNovoGrad")
         if not buckets:

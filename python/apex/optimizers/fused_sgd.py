@@ -37,17 +37,9 @@ class FusedSGD(_FusedOptimizer):
         for group in self.param_groups:
             group.setdefault("nesterov", False)
 
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with torch.no_grad():
-            scaling = self._scaling(None, self.param_groups[0]["params"][0].device)
-            for group in self.param_groups:
-                self._step_group(group, scaling)
+    def _step(self, scaling):
+        super()._step(scaling)
         self.most_recent_scale = 1.0
-        return loss
 
     def _step_group(self, group, scaling):
         device = group["params"][0].device
