@@ -5,7 +5,9 @@ kernels choose their chunks); the noop flag is a one-element tensor of any dtype
 the norms set it on a non-finite value, sgd and the capturable adam skip when it is set.
 
 Only functions whose whole behaviour is implemented are exported: code that probes for a name
-(``hasattr(amp_C, ...)``) falls back to its own path for the others.
+(``hasattr(amp_C, ...)``) falls back to its own path for the others. (``multi_tensor_novograd``
+is not: apex's blends the per-tensor norms into its argument in place; apex.optimizers'
+FusedNovoGrad calls the op with the blend done.)
 """
 import torch
 
@@ -15,7 +17,7 @@ __all__ = [
     "multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_l2norm_mp",
     "multi_tensor_unscale_l2norm", "multi_tensor_adam", "multi_tensor_adam_capturable",
     "multi_tensor_adam_capturable_master", "multi_tensor_sgd", "multi_tensor_adagrad",
-    "multi_tensor_lamb", "multi_tensor_novograd", "update_scale_hysteresis",
+    "multi_tensor_lamb", "update_scale_hysteresis",
 ]
 
 
@@ -116,16 +118,6 @@ def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
                            float(eps), int(step), bool(bias_correction), float(weight_decay),
                            bool(grad_averaging), int(mode) == 1, global_grad_norm,
                            float(max_grad_norm), bool(use_nvlamb))
-
-
-def multi_tensor_novograd(chunk_size, noop_flag, tensor_lists, grad_norms, lr, beta1, beta2, eps,
-                          step, bias_correction, weight_decay, grad_averaging, mode, norm_type):
-    """lists [g, p, m]; grad_norms the per-tensor second moments (already blended); mode 0 puts
-    the weight decay inside the moment."""
-    g, p, m = _lists(tensor_lists, (3,), "multi_tensor_novograd")
-    _ops.multi_tensor_novograd(noop_flag, g, p, m, [], grad_norms, float(lr), float(beta1),
-                               float(beta2), float(eps), int(step), bool(bias_correction),
-                               float(weight_decay), bool(grad_averaging), int(mode) == 0)
 
 
 def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,

@@ -56,8 +56,11 @@ def _norm_fwd_fake(input, normalized_shape, weight, bias, eps, rms, mixed, memor
     rows = _rows(input, normalized_shape)
     out_dtype = weight.dtype if mixed else input.dtype
     y = torch.empty(input.shape, dtype=out_dtype, device=input.device)
-    mean = input.new_empty((0 if rms else rows,), dtype=torch.float32)
-    rstd = input.new_empty((rows,), dtype=torch.float32)
+    # Statistics are fp32, or float64 on the float64 path (any float64 input).
+    f64 = any(t is not None and t.dtype == torch.float64 for t in (input, weight, bias))
+    stat = torch.float64 if f64 else torch.float32
+    mean = input.new_empty((0 if rms else rows,), dtype=stat)
+    rstd = input.new_empty((rows,), dtype=stat)
     return y, mean, rstd
 
 

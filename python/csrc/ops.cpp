@@ -560,7 +560,7 @@ TORCH_LIBRARY(apex_cpp, m) {
       "batch_norm_backward_elemt(Tensor grad_out, Tensor input, Tensor mean, Tensor a, Tensor b, "
       "Tensor k) -> Tensor");
   m.def("cpu_isa() -> str", &cpu_isa);
-  m.def("bench_scale_calls(Tensor noop_flag, Tensor[] x, Tensor[] y, int n) -> float",
+  m.def("bench_scale_calls(Tensor(a!) noop_flag, Tensor[] x, Tensor(b!)[] y, int n) -> float",
         &bench_scale_calls);
 }
 

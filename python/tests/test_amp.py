@@ -154,3 +154,39 @@ def test_bad_input_messages():
         amp.initialize(model, opt, opt_level="O1", master_weights=True)
     with pytest.raises(RuntimeError, match="must be float32"):
         amp.initialize(model.half(), opt, opt_level="O2")
+
+
+def test_accumulation_keeps_gradients_a_later_scope_does_not_reach():
+    """Scope 1 reaches A and B, scope 2 only A: B keeps scope 1's gradient (apex restores it)."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.1)
+    (a, b), opt = amp.initialize([a, b], opt, opt_level="O1", half_dtype=torch.float16,
+                                 loss_scale=128.0, verbosity=0)
+    x = torch.randn(2, 4)
+    opt.zero_grad()
+    with amp.scale_loss((a(x).sum() + b(x).sum()).float(), opt) as s:
+        s.backward()
+    a_grad, b_grad = a.weight.grad.clone(), b.weight.grad.clone()
+    with amp.scale_loss(a(x).sum().float(), opt) as s:
+        s.backward()
+    assert b.weight.grad is not None and torch.equal(b.weight.grad, b_grad)
+    # A accumulates: the same input twice, so twice the first scope's gradient.
+    torch.testing.assert_close(a.weight.grad, 2 * a_grad, rtol=1e-3, atol=1e-3)
+
+
+def test_o2_training_recovers_after_a_skipped_step():
+    """A huge loss overflows once: the step is skipped, the masters' overflowed gradients are
+    dropped, and training goes on with finite weights (apex's skip clears them too)."""
+    model, opt = model_and_opt()
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16,
+                                verbosity=0)
+    x, y = blobs()
+    for step in range(4):
+        loss = F.cross_entropy(model(x), y) * (1e30 if step == 0 else 1.0)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        model.zero_grad()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0 ** 15

@@ -318,3 +318,22 @@ def test_zero_grad_follows_set_grad_none():
     set_grads(p, 0)
     FusedSGD(p, lr=0.1).zero_grad()  # apex's FusedSGD: set_grad_none=False
     assert p[0].grad is not None and not p[0].grad.any()
+
+
+def test_grad_scaler_unscale_then_clip_then_step():
+    """scaler.unscale_(opt), clipping, scaler.step(opt): the gradients are not unscaled twice."""
+    ours = make_params()
+    ref = [p.detach().clone().requires_grad_() for p in ours]
+    opt = FusedAdam(ours, lr=0.1, eps=1e-2)
+    peer = torch.optim.AdamW(ref, lr=0.1, eps=1e-2, weight_decay=0.0)
+    s_ours = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    s_ref = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(4):
+        for params, opt_, scaler in ((ours, opt, s_ours), (ref, peer, s_ref)):
+            scaler.scale(torch.ones(()))
+            set_grads(params, step, scale=scaler.get_scale())
+            scaler.unscale_(opt_)
+            torch.nn.utils.clip_grad_norm_(params, 5.0)
+            scaler.step(opt_)
+            scaler.update()
+    close(ours, ref)

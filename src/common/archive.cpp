@@ -109,8 +109,9 @@ uint32_t inflated_crc32(std::string_view deflated, uint64_t size, const std::str
                         const std::string& name) {
   // Only small records are deflated (TorchScript's code); tensors are stored.
   constexpr uint64_t kMaxInflated = uint64_t{256} << 20;
-  TORCH_CHECK(size <= kMaxInflated, what, ": record '", name, "' would inflate to ", size,
-              " bytes, more than a torch archive's deflated records hold");
+  TORCH_CHECK(size <= kMaxInflated && deflated.size() <= kMaxInflated, what, ": record '", name,
+              "' would inflate to ", size, " bytes from ", deflated.size(),
+              ", more than a torch archive's deflated records hold");
   std::string out(static_cast<size_t>(size) + 1, '\0');
   z_stream z{};
   TORCH_CHECK(inflateInit2(&z, -MAX_WBITS) == Z_OK, what, ": cannot start inflating '", name, "'");
@@ -258,7 +259,7 @@ std::vector<ZipRecord> verify_zip(std::string_view bytes, const std::string& wha
     TORCH_CHECK(actual == crc, what, " is corrupted: record '", name, "' (", size,
                 " bytes) fails its CRC-32 check (stored ", hex32(crc), ", computed ", hex32(actual),
                 ")");
-    out.push_back({name, data, size, crc});
+    out.push_back({name, data, comp, crc, method});
     p += kCentralSize + name_len + extra_len + comment_len;
   }
   TORCH_CHECK(p == cd_off + cd_size, what, " is damaged: its central directory has ",
@@ -269,7 +270,9 @@ std::vector<ZipRecord> verify_zip(std::string_view bytes, const std::string& wha
 
 std::string kind_of(std::string_view bytes, const std::vector<ZipRecord>& records) {
   for (const auto& rec : records) {
-    if (rec.name == "apex_kind" || ends_with(rec.name, "/apex_kind")) {
+    // The record apex-cpp writes: stored, a short name.
+    if ((rec.name == "apex_kind" || ends_with(rec.name, "/apex_kind")) && rec.method == 0 &&
+        rec.size <= 64) {
       return std::string(bytes.substr(rec.offset, rec.size));
     }
   }

@@ -19,8 +19,9 @@ uint32_t crc32(const void* data, size_t n, uint32_t crc = 0);
 struct ZipRecord {
   std::string name;
   uint64_t offset = 0;
-  uint64_t size = 0;
+  uint64_t size = 0;  ///< stored bytes (compressed size for a deflated record)
   uint32_t crc = 0;
+  uint16_t method = 0;  ///< 0 stored, 8 deflated
 };
 
 /// The records of the zip archive `bytes`, after checking its structure (end of central

@@ -10,6 +10,7 @@
 #include <torch/serialize/archive.h>
 
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -69,22 +70,31 @@ void load_module(torch::nn::Module& module, const std::string& path) {
     shapes.push_back(t.sizes().vec());
   }
   const at::NoGradGuard no_grad;
+  // Loaded onto the module's device (LibTorch would otherwise move a parameter to the archive's).
+  std::optional<c10::Device> device;
+  for (const auto& t : tensors) {
+    if (!device) device = t.device();
+    if (t.device() != *device) device.reset();
+    if (!device) break;
+  }
   try {
     torch::serialize::InputArchive archive;
-    archive.load_from(in);
+    archive.load_from(in, device);
     module.load(archive);
     for (size_t i = 0; i < tensors.size(); ++i) {
       TORCH_CHECK(tensors[i].sizes() == at::IntArrayRef(shapes[i]) &&
-                      tensors[i].scalar_type() == before[i].scalar_type(),
+                      tensors[i].scalar_type() == before[i].scalar_type() &&
+                      tensors[i].device() == before[i].device(),
                   "tensor ", i, " of the module would change from ", before[i].scalar_type(),
-                  at::IntArrayRef(shapes[i]), " to ", tensors[i].scalar_type(), tensors[i].sizes());
+                  at::IntArrayRef(shapes[i]), " on ", before[i].device(), " to ",
+                  tensors[i].scalar_type(), tensors[i].sizes(), " on ", tensors[i].device());
     }
   } catch (const std::exception& e) {
     for (size_t i = 0; i < tensors.size(); ++i) {
       if (tensors[i].sizes() != before[i].sizes() ||
           tensors[i].scalar_type() != before[i].scalar_type() ||
           tensors[i].device() != before[i].device()) {
-        tensors[i].set_(before[i]);
+        tensors[i].set_data(before[i]);  // as LibTorch's loader re-points them
       } else {
         tensors[i].copy_(before[i]);
       }

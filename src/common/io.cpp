@@ -160,12 +160,12 @@ std::string write_target(const std::string& path, const std::string& who) {
   TORCH_CHECK(false, who, " '", path, "': too many levels of symbolic links");
 }
 
-/// Refuses a target that exists and is not a regular file; returns its mode, or 0644 when absent.
+/// Refuses a target that exists and is not a regular file; returns its mode, or -1 when absent.
 mode_t check_target(const std::string& target, const std::string& path, const std::string& who) {
   struct stat st {};
   if (::stat(target.c_str(), &st) != 0) {
     TORCH_CHECK(errno == ENOENT, who, " '", path, "': ", errno_text(errno));
-    return 0644;
+    return static_cast<mode_t>(-1);
   }
   TORCH_CHECK(S_ISREG(st.st_mode), who, " '", path, "' is ", kind_of(st),
               "; expected a regular file to write (or a path that does not exist yet)");
@@ -208,7 +208,10 @@ void write_file_atomic(const std::string& path, std::string_view bytes) {
   static std::atomic<uint64_t> counter{0};
   const std::string tmp =
       target + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter.fetch_add(1));
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
+  const bool replacing = mode != static_cast<mode_t>(-1);
+  // A new file gets 0666 less the umask, as any write would; a replaced one keeps its mode.
+  const int fd =
+      ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, replacing ? mode : 0666);
   TORCH_CHECK(fd >= 0, "cannot write '", path, "': cannot create '", tmp, "': ", errno_text(errno));
   auto fail = [&](int err, const char* what) {
     ::close(fd);
@@ -222,8 +225,8 @@ void write_file_atomic(const std::string& path, std::string_view bytes) {
     if (n <= 0) fail(n == 0 ? EIO : errno, "write failed");
     done += static_cast<size_t>(n);
   }
-  // An explicit mode: the umask applied to open()'s may differ from the file being replaced.
-  if (::fchmod(fd, mode) != 0) fail(errno, "cannot set its mode");
+  // The replaced file's mode, which the umask applied to open()'s may have narrowed.
+  if (replacing && ::fchmod(fd, mode) != 0) fail(errno, "cannot set its mode");
   if (::fsync(fd) != 0) fail(errno, "cannot flush it to disk");
   if (::close(fd) != 0) {
     const int err = errno;

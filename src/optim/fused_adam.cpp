@@ -216,9 +216,20 @@ void FusedAdam::save(torch::serialize::OutputArchive& archive) const {
 }
 
 void FusedAdam::load(torch::serialize::InputArchive& archive) {
-  // The counters live on the device: into the state first, so that a failed load restores them.
+  // The counters live on the device: into the state first, so that the restored state holds
+  // them; the device tensors themselves (which lr_tensor() handed out) are put back on failure.
   sync_steps_to_state();
-  load_archive<FusedAdamParamState, FusedAdamOptions>(archive, [&] { sync_steps_from_state(); });
+  auto steps = steps_;
+  auto lrs = lrs_;
+  auto lr_seen = lr_seen_;
+  try {
+    load_archive<FusedAdamParamState, FusedAdamOptions>(archive, [&] { sync_steps_from_state(); });
+  } catch (...) {
+    steps_ = std::move(steps);
+    lrs_ = std::move(lrs);
+    lr_seen_ = std::move(lr_seen);
+    throw;
+  }
 }
 
 void FusedAdam::check_options() const {

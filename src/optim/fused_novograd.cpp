@@ -194,7 +194,10 @@ std::vector<double> FusedNovoGrad::option_values(
 
 std::vector<double> FusedNovoGrad::state_values(
     const torch::optim::OptimizerParamState& state) const {
-  return {static_cast<double>(static_cast<const FusedNovoGradParamState&>(state).step())};
+  // The per-tensor second moment is a scalar tensor: covered here, not as elementwise state.
+  const auto& s = static_cast<const FusedNovoGradParamState&>(state);
+  return {static_cast<double>(s.step()),
+          s.exp_avg_sq().defined() ? s.exp_avg_sq().to(at::kCPU).item<double>() : -1.0};
 }
 
 }  // namespace apex::optim

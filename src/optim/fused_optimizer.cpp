@@ -190,6 +190,9 @@ void FusedOptimizer::load_transaction(torch::serialize::InputArchive& archive,
   decltype(state_) state;
   for (const auto& [key, value] : state_) state[key] = value->clone();
   try {
+    // LibTorch's loader only overwrites the states it finds: start from none, as Python's
+    // load_state_dict does (stale states would also fail the checksum).
+    state_.clear();
     try {
       read();
     } catch (const c10::Error& e) {

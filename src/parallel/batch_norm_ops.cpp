@@ -93,8 +93,8 @@ at::Tensor batch_norm_backward_reduce(const char* who, const at::Tensor& grad_ou
                                       const at::Tensor& input, const at::Tensor& mean64) {
   const BatchNormLayout l = batch_norm_layout(input, who);
   const int64_t c = l.shape.channels;
-  TORCH_CHECK(grad_out.sizes() == input.sizes(), who, ": the gradient has shape ",
-              grad_out.sizes(), ", expected ", input.sizes());
+  TORCH_CHECK(grad_out.sizes() == input.sizes(), who, ": the gradient has shape ", grad_out.sizes(),
+              ", expected ", input.sizes());
   TORCH_CHECK(mean64.numel() == c, who, ": mean has ", mean64.numel(), " elements, expected ", c);
   const at::Tensor x = input.contiguous(l.format);
   const at::Tensor dy = grad_out.contiguous(l.format);

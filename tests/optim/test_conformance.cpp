@@ -247,6 +247,27 @@ TYPED_TEST(FusedOptimizerConformance, SaveLoadResumesBitIdentically) {
   EXPECT_TRUE(lists_equal(this->state_of(oa), this->state_of(ob))) << T::kName;
 }
 
+// A load replaces the whole state, as Python's load_state_dict does: a parameter that had no
+// state when the archive was written has none after the load (LibTorch's loader alone would
+// leave the newer one in place), and the run goes on as from the archive.
+TYPED_TEST(FusedOptimizerConformance, LoadReplacesTheWholeState) {
+  using T = typename TestFixture::T;
+  auto a = this->params(6);
+  TypeParam opt(this->groups(a), T::options());
+  a[3].mutable_grad() = at::Tensor();
+  set_grads({a[0], a[1], a[2]}, 0, 7);
+  opt.step();  // parameter 3 has no state yet
+  ASSERT_EQ(opt.state().count(a[3].unsafeGetTensorImpl()), 0u);
+  std::stringstream buf;
+  torch::save(opt, buf);
+  const auto saved_params = snapshot(a);
+  const auto saved_state = this->state_of(opt);
+  this->steps(opt, a, 1, 3);  // now every parameter has state
+  torch::load(opt, buf);
+  EXPECT_EQ(opt.state().count(a[3].unsafeGetTensorImpl()), 0u) << T::kName;
+  EXPECT_TRUE(lists_equal(this->state_of(opt), saved_state)) << T::kName;
+}
+
 // State that does not fit its parameter (loaded from another model) fails the next step before
 // any parameter, state or counter changes.
 TYPED_TEST(FusedOptimizerConformance, MisfitStateFailsBeforeAnythingChanges) {

@@ -8,6 +8,7 @@
 #include <apex/io.h>
 #include <apex/optim.h>
 #include <apex/serialize.h>
+#include <sys/stat.h>
 #include <torch/serialize.h>
 
 #include <filesystem>
@@ -380,6 +381,17 @@ TEST_F(StateFileFuzz, AtomicWritesFollowLinksAndRefuseSpecialFiles) {
   for (const auto& e : fs::directory_iterator(dir_)) {
     EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
   }
+  // A new file's mode follows the umask, as any write's; a replaced file keeps its mode.
+  const mode_t old_mask = ::umask(077);
+  apex::write_file_atomic(path("private"), "x");
+  ::umask(old_mask);
+  EXPECT_EQ(fs::status(path("private")).permissions() & fs::perms::all,
+            fs::perms::owner_read | fs::perms::owner_write);
+  fs::permissions(path("target"),
+                  fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  apex::write_file_atomic(path("link"), "again");
+  EXPECT_EQ(fs::status(path("target")).permissions() & fs::perms::all,
+            fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
 }
 
 }  // namespace

@@ -485,12 +485,17 @@ TEST_F(TrainFiles, CheckpointsResumeOnAnotherWorldSize) {
   const Proc a = run(common + "--nproc 2 --stop-after 4 --checkpoint " + path("two"));
   ASSERT_EQ(a.status, 0) << a.out;
   EXPECT_EQ(read_text(path("two") + "/latest"), "step-4\n");
-  const Proc b = run(common + "--resume --checkpoint " + path("two"));
+  // Another world size changes the global batch: refused, then resumed deliberately.
+  const Proc refused = run(common + "--resume --checkpoint " + path("two"));
+  EXPECT_NE(refused.status, 0);
+  EXPECT_NE(refused.out.find("world_size 2 -> 1"), std::string::npos) << refused.out;
+  const Proc b = run(common + "--resume --resume-with-changes --checkpoint " + path("two"));
   ASSERT_EQ(b.status, 0) << b.out;
   EXPECT_EQ(read_text(path("two") + "/latest"), "step-8\n");
   const Proc c = run(common + "--stop-after 4 --checkpoint " + path("one"));
   ASSERT_EQ(c.status, 0) << c.out;
-  const Proc d = run(common + "--nproc 2 --resume --checkpoint " + path("one"));
+  const Proc d =
+      run(common + "--nproc 2 --resume --resume-with-changes --checkpoint " + path("one"));
   ASSERT_EQ(d.status, 0) << d.out;
   EXPECT_EQ(read_text(path("one") + "/latest"), "step-8\n");
 }

@@ -141,7 +141,7 @@ output
                         every file is checked against the checkpoint's manifest first, and
                         the run's settings against the checkpoint's (docs/reliability.md)
   --resume-from step-N  ... from that step folder of DIR instead of the one `latest` names
-  --resume-with-changes resume although seed, data, batch, schedule or steps differ
+  --resume-with-changes resume although seed, data, batch, schedule, steps or ranks differ
   --stop-after N        stop after step N as if interrupted (checkpoint first): tests resume
   --no-progress         no progress bar or lines
 distributed (Gloo over TCP; docs/distributed.md)

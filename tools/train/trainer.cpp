@@ -107,7 +107,8 @@ std::string signature(const TrainOptions& o, const torch::nn::Module& model) {
 
 // The settings that change what a run trains, as JSON values: a resume must match them (unless
 // --resume-with-changes). The model, level and optimizer are in the signature.
-std::vector<std::pair<std::string, std::string>> run_settings(const TrainOptions& o) {
+std::vector<std::pair<std::string, std::string>> run_settings(const TrainOptions& o,
+                                                              int64_t world) {
   const std::string data = o.data.empty() ? model_family(o.model.family).default_data : o.data;
   return {{"seed", std::to_string(o.seed)},
           {"data", json::quote(data)},
@@ -125,7 +126,10 @@ std::vector<std::pair<std::string, std::string>> run_settings(const TrainOptions
           {"steps", std::to_string(o.steps)},
           {"epochs", std::to_string(o.epochs)},
           {"weight_decay", json::num_exact(o.weight_decay)},
-          {"clip", json::num_exact(o.clip)}};
+          {"clip", json::num_exact(o.clip)},
+          // The global batch and the shards follow the number of ranks.
+          {"world_size", std::to_string(world)},
+          {"sync_bn", o.sync_bn ? "true" : "false"}};
 }
 
 constexpr int64_t kCheckpointFormat = 2;
@@ -157,7 +161,7 @@ int64_t step_of_folder(const std::string& name) {
   return name[5] == '0' ? -1 : n;
 }
 
-void save_checkpoint(const TrainOptions& o, int64_t step, const std::string& run,
+void save_checkpoint(const TrainOptions& o, int64_t world, int64_t step, const std::string& run,
                      torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                      apex::amp::Amp* amp) {
   const fs::path dir(o.checkpoint);
@@ -177,7 +181,7 @@ void save_checkpoint(const TrainOptions& o, int64_t step, const std::string& run
     std::string meta = "{\"format\": " + std::to_string(kCheckpointFormat) +
                        ", \"step\": " + std::to_string(step) + ", \"run\": " + json::quote(run) +
                        ", \"signature\": " + json::quote(signature(o, model));
-    for (const auto& [key, value] : run_settings(o)) meta += ", \"" + key + "\": " + value;
+    for (const auto& [key, value] : run_settings(o, world)) meta += ", \"" + key + "\": " + value;
     meta += "}\n";
     apex::write_file_atomic((tmp / "meta.json").string(), meta);
     files.push_back("meta.json");
@@ -294,7 +298,7 @@ std::string newest_complete(const fs::path& dir, const std::string& except) {
 }
 
 // Returns the step to continue from, and the run's id in `run`.
-int64_t load_checkpoint(const TrainOptions& o, torch::nn::Module& model,
+int64_t load_checkpoint(const TrainOptions& o, int64_t world, torch::nn::Module& model,
                         torch::optim::Optimizer& optimizer, apex::amp::Amp* amp, std::string& run) {
   const fs::path dir(o.checkpoint);
   const std::string who = "apex-train: --resume: ";
@@ -348,7 +352,7 @@ int64_t load_checkpoint(const TrainOptions& o, torch::nn::Module& model,
               ck.has_amp ? " holds an amp state this run has no use for"
                          : " has no amp state, which this run needs");
   std::string changed;
-  for (const auto& [key, value] : run_settings(o)) {
+  for (const auto& [key, value] : run_settings(o, world)) {
     auto it = ck.meta.find(key);
     TORCH_CHECK(it != ck.meta.end(), who, meta_path, ": \"", key, "\" is missing");
     const std::string stored = it->second.kind == json::Field::Kind::kString
@@ -390,7 +394,11 @@ std::string metrics_up_to(const std::string& path, int64_t step) {
   std::string line;
   while (std::getline(in, line)) {
     if (line.empty() || line.find("\"summary\": true") != std::string::npos) continue;
-    if (json::get_number(line, "step") <= static_cast<double>(step)) kept += line + "\n";
+    // A line cut short by a kill while it was written is dropped, not fatal.
+    try {
+      if (json::get_number(line, "step") <= static_cast<double>(step)) kept += line + "\n";
+    } catch (const c10::Error&) {
+    }
   }
   return kept;
 }
@@ -574,7 +582,7 @@ Summary train(const TrainOptions& o, const Split& data) {
   apex::amp::Amp* ampp = amp ? &*amp : nullptr;
   int64_t start = 0;
   std::string run_id = new_run_id();
-  if (o.resume) start = load_checkpoint(o, *model, *optimizer, ampp, run_id);
+  if (o.resume) start = load_checkpoint(o, world, *model, *optimizer, ampp, run_id);
   // After initialize (DDP reduces the gradients of the parameters as amp cast them).
   using Ddp = apex::parallel::DistributedDataParallel<std::shared_ptr<Classifier>>;
   std::optional<Ddp> ddp;
@@ -584,7 +592,8 @@ Summary train(const TrainOptions& o, const Split& data) {
     return ampp ? ampp->forward(model, x) : model->forward(x);
   };
   TORCH_CHECK(start < total, "apex-train: --resume: the checkpoint is at step ", start,
-              " and this run has ", total, " steps: nothing left to train (raise --steps)");
+              " and this run has ", total,
+              " steps: nothing left to train (raise --steps, with --resume-with-changes)");
 
   Summary s;
   s.level = o.opt_level;
@@ -708,7 +717,7 @@ Summary train(const TrainOptions& o, const Split& data) {
                     step + 1, " at ", o.opt_level,
                     ": training diverged (no checkpoint written); lower --lr (", o.lr, ")");
         // Rank 0 writes (every rank holds the same state); the others wait for it.
-        if (rank == 0) save_checkpoint(o, step + 1, run_id, *model, *optimizer, ampp);
+        if (rank == 0) save_checkpoint(o, world, step + 1, run_id, *model, *optimizer, ampp);
         if (pg) pg->barrier();
       }
       if (interrupted) {

@@ -46,7 +46,8 @@ def _post_backward(optimizer, scaler):
     plain = ([], [])
     for p, m, s in zip(model_params, master_params, stashed):
         if p.grad is None:
-            if m is not p and s is not None:
+            # This backward did not reach p: its accumulated gradient stays as it was.
+            if s is not None:
                 m.grad = s
             continue
         if m.grad is None or m is p:
@@ -108,5 +109,10 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     if should_skip:
         for o in opts:
             o._amp_stash.skip_next_step = True
+            # zero_grad of the model does not reach the masters: drop their overflowed gradients
+            # here, or the next scope would stash and add them.
+            if o._amp_stash.master_weights:
+                for m in o._amp_stash.all_fp32_from_fp16_params:
+                    m.grad = None
         maybe_print(f"Gradient overflow.  Skipping step, loss scaler {loss_id} reducing loss "
                     f"scale to {scaler.loss_scale()}")

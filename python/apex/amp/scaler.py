@@ -36,6 +36,7 @@ class LossScaler:
         self._unskipped = 0
         self._has_overflow = False
         self._overflow_buf = torch.zeros(1, dtype=torch.int)
+        self._flags = {}
 
     def loss_scale(self):
         return self._loss_scale
@@ -43,11 +44,17 @@ class LossScaler:
     def clear_overflow_state(self):
         self._has_overflow = False
         self._overflow_buf.zero_()
+        for flag in self._flags.values():
+            flag.zero_()
 
     def _flag(self, device):
-        if self._overflow_buf.device != device:
-            self._overflow_buf = torch.zeros(1, dtype=torch.int, device=device)
-        return self._overflow_buf
+        """The overflow flag of `device` (one per device, so gradients on several devices all
+        count)."""
+        if device == self._overflow_buf.device:
+            return self._overflow_buf
+        if device not in self._flags:
+            self._flags[device] = torch.zeros(1, dtype=torch.int, device=device)
+        return self._flags[device]
 
     def unscale(self, model_grads, master_grads, scale):
         """master_grads[i] = model_grads[i] * (1 / scale), converting dtypes; flags overflow."""
@@ -72,12 +79,13 @@ class LossScaler:
         for (device, *_), items in by_key.items():
             ops.multi_tensor_axpby(self._flag(device), [m for m, _, _ in items],
                                    [s for _, s, _ in items], [o for _, _, o in items],
-                                   1.0 / scale, 1.0, 0)
+                                   1.0 / scale, 1.0, -1)
 
     def update_scale(self):
         """Reads the overflow flag (one host read) and advances the state machine. Returns whether
         the step must be skipped."""
-        self._has_overflow = bool(self._overflow_buf.item() != 0)
+        self._has_overflow = bool(self._overflow_buf.item() != 0) or any(
+            bool(flag.item() != 0) for flag in self._flags.values())
         if self._has_overflow:
             should_skip = True
             if self.dynamic:

@@ -53,8 +53,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
         scale = None
         found_inf = None
         if grad_scaler is not None:
-            scale = grad_scaler._get_scale_async()
-            found = grad_scaler._check_inf_per_device(self)
+            # A GradScaler passed explicitly (apex's step(grad_scaler=...)): its scale, unless
+            # unscale_ already ran for this optimizer, and its inf check.
+            from torch.amp.grad_scaler import OptState
+            state = grad_scaler._per_optimizer_states[id(self)]
+            if state["stage"] is not OptState.UNSCALED:
+                scale = grad_scaler._get_scale_async()
+            found = state["found_inf_per_device"] or grad_scaler._check_inf_per_device(self)
             found_inf = sum(t.to(device) for t in found.values()) if found else None
         elif getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             scale = getattr(self, "grad_scale", None)

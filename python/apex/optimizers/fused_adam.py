@@ -48,7 +48,13 @@ class FusedAdam(_FusedOptimizer):
                 group["step"] = torch.zeros(1, dtype=torch.int32, device=device)
 
     def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None,
-             grad_scaler=None):
+             **kwargs):
+        """One step. ``grad_scaler=`` (apex's keyword) is taken from ``kwargs``, so that torch's
+        GradScaler sees no such parameter and hands over ``grad_scale``/``found_inf`` instead
+        (``grad_scale`` None once ``unscale_`` ran: the gradients are then not unscaled twice)."""
+        grad_scaler = kwargs.pop("grad_scaler", None)
+        if kwargs:
+            raise TypeError(f"FusedAdam.step got unexpected keyword arguments {sorted(kwargs)}")
         self._check_legacy("FusedAdam", grads=grads, output_params=output_params, scale=scale,
                            grad_norms=grad_norms)
         return self._run(closure, grad_scaler)

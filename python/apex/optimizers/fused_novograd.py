@@ -26,8 +26,6 @@ class FusedNovoGrad(_FusedOptimizer):
                         norm_type=norm_type, init_zero=init_zero)
         super().__init__(params, defaults, set_grad_none)
         self.moment_mode = 0 if reg_inside_moment else 1
-        import amp_C
-        self.multi_tensor_novograd = amp_C.multi_tensor_novograd
 
     def _step_group(self, group, scaling):
         buckets = self._buckets(group, "FusedNovoGrad")
