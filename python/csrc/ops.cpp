@@ -435,6 +435,10 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
     Tensor none;
     if (!grads[0].defined()) return {none, none, none, none, none, none, none, none};
     const auto shape = ctx->saved_data["shape"].toIntVector();
+    // Without create_graph nothing records the backward op: skip the Autograd and
+    // ADInplaceOrView keys, whose fallbacks for a custom op box all thirteen arguments.
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below;
+    if (!at::GradMode::is_enabled()) below.emplace();
     auto [dx, dw, db] =
         bwd.call(grads[0], saved[0], saved[1], saved[2],
                  has_w ? std::optional<Tensor>(saved[3]) : std::nullopt,

@@ -14,6 +14,14 @@ from torch.nn.parameter import Parameter
 
 from apex._ops import ops
 
+# The overloads themselves: calling the packet resolves the overload on every call.
+_fwd = ops.fused_norm_fwd.default
+_bwd = ops.fused_norm_bwd.default
+
+
+def _device_type(t):
+    return "cpu" if t.is_cpu else t.device.type
+
 __all__ = [
     "FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm",
     "FusedLayerNormAffineFunction", "FusedRMSNormAffineFunction", "FusedLayerNormFunction",
@@ -31,7 +39,7 @@ def _shape(normalized_shape):
 
 
 def _norm(input, weight, bias, normalized_shape, eps, rms, mixed, memory_efficient):
-    return ops.fused_norm_fwd(input, _shape(normalized_shape), weight, bias, float(eps), rms,
+    return _fwd(input, _shape(normalized_shape), weight, bias, float(eps), rms,
                               mixed, bool(memory_efficient))[0]
 
 
@@ -41,7 +49,7 @@ def _cast_if_autocast_enabled(*args):
     tensors = [a for a in args if torch.is_tensor(a)]
     if not tensors:
         return args
-    device_type = tensors[0].device.type
+    device_type = _device_type(tensors[0])
     if not torch.is_autocast_enabled(device_type):
         return args
     dtype = torch.get_autocast_dtype(device_type)
@@ -72,7 +80,7 @@ def _autocast_off(device_type):
 def _function_forward(ctx, input, weight, bias, normalized_shape, eps, rms, mixed,
                       memory_efficient):
     shape = _shape(normalized_shape)
-    y, mean, rstd = ops.fused_norm_fwd(input, shape, weight, bias, float(eps), rms, mixed,
+    y, mean, rstd = _fwd(input, shape, weight, bias, float(eps), rms, mixed,
                                        bool(memory_efficient))
     ctx.spec = (shape, float(eps), rms, mixed, bool(memory_efficient), input.dtype)
     ctx.has = (weight is not None, bias is not None)
@@ -86,7 +94,7 @@ def _function_backward(ctx, grad_output):
     shape, eps, rms, mixed, memory_efficient, input_dtype = ctx.spec
     wants = ctx.needs_input_grad
     mask = [wants[0], ctx.has[0] and wants[1], ctx.has[1] and len(wants) > 2 and wants[2]]
-    dx, dw, db = ops.fused_norm_bwd(grad_output, saved, mean, rstd, weight, bias, shape, eps, rms,
+    dx, dw, db = _bwd(grad_output, saved, mean, rstd, weight, bias, shape, eps, rms,
                                     mixed, memory_efficient, input_dtype, mask)
     return (dx if mask[0] else None, dw if mask[1] else None, db if mask[2] else None)
 
@@ -156,39 +164,39 @@ class FusedRMSNormFunction(torch.autograd.Function):
 def fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6,
                             memory_efficient=False):
     args = _cast_if_autocast_enabled(input, weight, bias)
-    with _autocast_off(input.device.type):
+    with _autocast_off(_device_type(input)):
         return _norm(*args, normalized_shape, eps, False, False, memory_efficient)
 
 
 def fused_layer_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
     (x,) = _cast_if_autocast_enabled(input)
-    with _autocast_off(input.device.type):
+    with _autocast_off(_device_type(input)):
         return _norm(x, None, None, normalized_shape, eps, False, False, memory_efficient)
 
 
 def mixed_dtype_fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6,
                                         memory_efficient=False):
     args = _cast_if_autocast_enabled(input, weight, bias)
-    with _autocast_off(input.device.type):
+    with _autocast_off(_device_type(input)):
         return _norm(*args, normalized_shape, eps, False, True, memory_efficient)
 
 
 def fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, memory_efficient=False):
     x, w = _cast_if_autocast_enabled(input, weight)
-    with _autocast_off(input.device.type):
+    with _autocast_off(_device_type(input)):
         return _norm(x, w, None, normalized_shape, eps, True, False, memory_efficient)
 
 
 def fused_rms_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
     (x,) = _cast_if_autocast_enabled(input)
-    with _autocast_off(input.device.type):
+    with _autocast_off(_device_type(input)):
         return _norm(x, None, None, normalized_shape, eps, True, False, memory_efficient)
 
 
 def mixed_dtype_fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6,
                                       memory_efficient=False):
     x, w = _cast_if_autocast_enabled(input, weight)
-    with _autocast_off(input.device.type):
+    with _autocast_off(_device_type(input)):
         return _norm(x, w, None, normalized_shape, eps, True, True, memory_efficient)
 
 
@@ -237,9 +245,9 @@ class FusedLayerNorm(_FusedNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, memory_efficient, True)
 
     def forward(self, input):
-        if not torch.is_autocast_enabled(input.device.type):
+        if not torch.is_autocast_enabled(_device_type(input)):
             # The common case without the functional form's autocast handling (per-call cost).
-            return ops.fused_norm_fwd(input, self._shape_list, self.weight, self.bias, self.eps,
+            return _fwd(input, self._shape_list, self.weight, self.bias, self.eps,
                                       False, False, self.memory_efficient)[0]
         if self.elementwise_affine:
             return fused_layer_norm_affine(input, self.weight, self.bias, self.normalized_shape,
@@ -256,8 +264,8 @@ class FusedRMSNorm(_FusedNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, memory_efficient, False)
 
     def forward(self, input):
-        if not torch.is_autocast_enabled(input.device.type):
-            return ops.fused_norm_fwd(input, self._shape_list, self.weight, None, self.eps, True,
+        if not torch.is_autocast_enabled(_device_type(input)):
+            return _fwd(input, self._shape_list, self.weight, None, self.eps, True,
                                       False, self.memory_efficient)[0]
         if self.elementwise_affine:
             return fused_rms_norm_affine(input, self.weight, self.normalized_shape, self.eps,
