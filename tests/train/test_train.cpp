@@ -409,6 +409,18 @@ TEST_F(TrainFiles, CompareTableMetricsAndPlot) {
   EXPECT_NE(xml.out.find("['O0', 'O1', 'O2']"), std::string::npos) << xml.out;
 }
 
+// The header says when amp computes half matmuls through fp32 (APEX_CPU_HALF_FALLBACK=1 forces
+// the route on any CPU, =0 turns it off), and the levels still train.
+TEST(TrainBinary, SaysWhenHalfMatmulsGoThroughFp32) {
+  for (const std::string v : {"0", "1"}) {
+    const Proc p = run("APEX_CPU_HALF_FALLBACK=" + v + " " + std::string(APEX_TRAIN_EXE) +
+                       " --no-progress --model mlp --compare O0,O1 --steps 3");
+    ASSERT_EQ(p.status, 0) << p.out;
+    EXPECT_EQ(p.out.find("half matmuls through fp32") != std::string::npos, v == "1") << p.out;
+    EXPECT_NE(p.out.find("O1 "), std::string::npos) << p.out;
+  }
+}
+
 TEST_F(TrainFiles, BinaryErrorsAreOneLineAndNonZero) {
   fs::create_directories(dir_ / "badwav" / "a");
   fs::create_directories(dir_ / "badwav" / "b");

@@ -1,5 +1,6 @@
 // apex-train: trains a model with apex-cpp's mixed precision, at one opt level or several side by
 // side (--compare), on built-in or real data. See `apex-train --help` and docs/train.md.
+#include <apex/amp/cpu_half.h>
 #include <apex/io.h>
 #include <c10/util/Exception.h>
 #include <fcntl.h>
@@ -192,14 +193,18 @@ int run(const Cli& cli) {
   // Check the data once before starting the children (a bad folder fails here, once).
   {
     const auto data = apex::train::load_data(cli.train);
-    std::printf("apex-train: %s, %lld train / %lld held-out samples, %lld steps of %lld, half %s\n",
-                cli.train.model.family.c_str(), static_cast<long long>(data.train.size()),
-                static_cast<long long>(data.test.size()),
-                static_cast<long long>(apex::train::total_steps(cli.train, data.train.size(),
-                                                                std::max<int64_t>(1, cli.nproc))),
-                static_cast<long long>(cli.train.batch_size * cli.train.accumulate *
-                                       std::max<int64_t>(1, cli.nproc)),
-                cli.train.half_dtype == c10::kBFloat16 ? "bf16" : "fp16");
+    // Where LibTorch's half matmuls are slow, amp computes them through fp32 (cpu_half.h): say so.
+    const bool through_fp32 = cli.train.device.is_cpu() && apex::amp::cpu_half_fallback_available();
+    std::printf(
+        "apex-train: %s, %lld train / %lld held-out samples, %lld steps of %lld, half %s%s\n",
+        cli.train.model.family.c_str(), static_cast<long long>(data.train.size()),
+        static_cast<long long>(data.test.size()),
+        static_cast<long long>(apex::train::total_steps(cli.train, data.train.size(),
+                                                        std::max<int64_t>(1, cli.nproc))),
+        static_cast<long long>(cli.train.batch_size * cli.train.accumulate *
+                               std::max<int64_t>(1, cli.nproc)),
+        cli.train.half_dtype == c10::kBFloat16 ? "bf16" : "fp16",
+        through_fp32 ? " (half matmuls through fp32 on this CPU)" : "");
   }
   const fs::path work = fs::temp_directory_path() / ("apex-train-" + std::to_string(getpid()));
   fs::create_directories(work);
