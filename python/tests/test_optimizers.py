@@ -8,7 +8,8 @@ import torch
 
 import amp_C
 from apex.multi_tensor_apply import multi_tensor_applier
-from apex.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+from apex.optimizers import (FusedAdagrad, FusedAdam, FusedLAMB, FusedMixedPrecisionLamb,
+                             FusedNovoGrad, FusedSGD)
 
 STEPS = 20
 SIZES = [1, 7, 65537, 300]
@@ -188,6 +189,63 @@ def test_fused_lamb_matches_float64():
     close(ours, ref, rtol=1e-4, atol=1e-5)
     # Unlike apex, the gradients are not overwritten by the update.
     assert torch.equal(ours[0].grad, all_grads[-1][0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_mixed_precision_lamb_masters_match_float64(dtype):
+    """Half parameters stepped through fp32 masters: the masters follow the float64 LAMB on the
+    same gradients, the parameters are the masters rounded once, lr and step are tensors."""
+    ours = make_params(dtype)
+    start = [p.detach().float() for p in ours]
+    opt = FusedMixedPrecisionLamb(ours, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0,
+                                  reduced_precision_dtype=dtype)
+    all_grads = []
+    for step in range(STEPS):
+        set_grads(ours, step, scale=0.3)
+        all_grads.append([p.grad.float() for p in ours])
+        opt.step()
+    ref = lamb_reference(start, all_grads, 1e-2, 0.9, 0.999, 1e-6, 0.01, 1.0)
+    masters = opt.param_groups_full_precision[0]["params"]
+    close(masters, ref, rtol=1e-4, atol=1e-5)
+    for p, m in zip(ours, masters):
+        assert p.dtype == dtype and torch.equal(p.detach(), m.to(dtype))
+    group = opt.param_groups[0]
+    assert torch.is_tensor(group["lr"]) and torch.is_tensor(group["step"])
+    assert int(group["step"]) == STEPS
+    assert all(opt.state[p]["exp_avg"].dtype == torch.float32 for p in ours)
+
+
+def test_fused_mixed_precision_lamb_skips_overflow_and_round_trips():
+    ours = make_params(torch.bfloat16)
+    opt = FusedMixedPrecisionLamb(ours, lr=1e-2, reduced_precision_dtype=torch.bfloat16)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    for step in range(4):
+        scaler.scale(torch.ones(()))
+        set_grads(ours, step, scale=scaler.get_scale())
+        if step == 2:
+            ours[1].grad[3] = float("inf")
+        before = [p.detach().clone() for p in ours]
+        scaler.step(opt)
+        scaler.update()
+        if step == 2:
+            assert all(torch.equal(a, b) for a, b in zip(before, ours))
+    assert int(opt.param_groups[0]["step"]) == 3  # the skipped step did not count
+    # Round trip: moments stay fp32, masters are rebuilt from the loaded parameters, and both
+    # optimizers then step alike.
+    saved = copy.deepcopy(opt.state_dict())
+    twin = [p.detach().clone().requires_grad_() for p in ours]
+    opt_b = FusedMixedPrecisionLamb(twin, lr=0.5, reduced_precision_dtype=torch.bfloat16)
+    opt_b.load_state_dict(saved)
+    assert opt_b.state[twin[0]]["exp_avg"].dtype == torch.float32
+    assert float(opt_b.param_groups[0]["lr"]) == pytest.approx(1e-2)
+    opt.param_groups_full_precision = []  # as after a load: masters from the parameters
+    for step in range(4, 6):
+        set_grads(ours, step)
+        set_grads(twin, step)
+        opt.step()
+        opt_b.step()
+    for x, y in zip(ours, twin):
+        assert torch.equal(x, y)
 
 
 def novograd_reference(params, grads_per_step, lr, b1, b2, eps, wd):

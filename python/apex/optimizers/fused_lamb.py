@@ -55,16 +55,25 @@ class FusedLAMB(_FusedOptimizer):
         for group, group_buckets in buckets:
             if not group_buckets:
                 continue
-            group["step"] = group.get("step", 0) + 1
+            self._advance(group)
             beta1, beta2 = group["betas"]
             for params in group_buckets:
                 device = params[0].device
                 inv, _ = self._on(scaling, device)
                 m = [self._state_zeros(p, "exp_avg") for p in params]
                 v = [self._state_zeros(p, "exp_avg_sq") for p in params]
-                ops.multi_tensor_lamb(self._noop(device), grads_of(params), params, m, v, [],
+                ops.multi_tensor_lamb(self._noop(device), grads_of(params), params, m, v,
+                                      self._masters(group, params),
                                       float(group["lr"]), beta1, beta2, group["eps"],
                                       int(group["step"]), bool(group["bias_correction"]),
                                       group["weight_decay"], bool(group["grad_averaging"]),
                                       self.adam_w_mode == 1, global_norm.to(device),
                                       group["max_grad_norm"], self.use_nvlamb, inv, None)
+
+    @staticmethod
+    def _advance(group):
+        group["step"] = group.get("step", 0) + 1
+
+    def _masters(self, group, params):
+        """The fp32 masters the kernel updates (and rounds into `params`); none here."""
+        return []
