@@ -9,6 +9,23 @@ if(NOT APEX_PYTHON_EXECUTABLE)
   set(APEX_PYTHON_EXECUTABLE ${_apex_py} CACHE FILEPATH "Python whose torch package is used")
 endif()
 
+# A CUDA LibTorch's config puts gencode flags for TORCH_CUDA_ARCH_LIST into CMAKE_CUDA_FLAGS (and
+# turns CMAKE_CUDA_ARCHITECTURES off); left unset it probes the GPU and falls back to every
+# architecture, some of which a newer nvcc refuses (compute_50 under CUDA 13). Derive the list from
+# CMAKE_CUDA_ARCHITECTURES ("90" -> "9.0"), default 8.0 and 9.0 as the kernels' own default.
+if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
+  set(_apex_archs 80 90)
+  if(CMAKE_CUDA_ARCHITECTURES)
+    set(_apex_archs ${CMAKE_CUDA_ARCHITECTURES})
+  endif()
+  set(TORCH_CUDA_ARCH_LIST "")
+  foreach(_arch IN LISTS _apex_archs)
+    string(REGEX REPLACE "-(real|virtual)$" "" _arch "${_arch}")
+    string(REGEX REPLACE "^([0-9]+)([0-9])([a-z]?)$" "\\1.\\2\\3" _arch "${_arch}")
+    list(APPEND TORCH_CUDA_ARCH_LIST "${_arch}")
+  endforeach()
+endif()
+
 find_package(Torch QUIET CONFIG)
 if(NOT Torch_FOUND)
   if(NOT APEX_PYTHON_EXECUTABLE)

@@ -12,6 +12,7 @@ start=$(date +%s)
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DAPEX_PYTHON_EXECUTABLE="$(command -v "$PY")" \
   -DAPEX_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DAPEX_BUILD_EXAMPLES=OFF >"$OUT/configure.log" 2>&1 ||
   { tail -30 "$OUT/configure.log"; exit 1; }
+grep -E "apex-cpp .*torch" "$OUT/configure.log"  # torch version; CUDA kernels, Gloo, NCCL found?
 cmake --build build-gpu -j16 >"$OUT/build.log" 2>&1 || { grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
 echo "build: $(($(date +%s) - start)) s"
 (cd build-gpu && ctest -L cuda --output-on-failure --timeout 300) 2>&1 | tee "$OUT/ctest-cuda.log" | tail -25
@@ -26,6 +27,9 @@ timeout 150 build-gpu/tools/apex-bench norm --device cuda --repeats 20 --warmup 
 echo; echo "== apex-train --device cuda (transformer, O0/O1/O2, fp16) =="
 timeout 120 build-gpu/tools/apex-train --device cuda --steps 100 --no-progress 2>&1 |
   tee "$OUT/train-cuda.txt" | tail -6
+echo; echo "== apex-train --device cuda --nproc 1 (DDP over NCCL, O2) =="
+timeout 120 build-gpu/tools/apex-train --device cuda --nproc 1 --opt-level O2 --steps 60 \
+  --no-progress 2>&1 | tee "$OUT/train-ddp-cuda.txt" | tail -4
 if command -v compute-sanitizer >/dev/null; then
   echo; echo "== compute-sanitizer (memcheck, racecheck) on one norm case =="
   for tool in memcheck racecheck; do

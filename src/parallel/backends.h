@@ -20,4 +20,12 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
                                                     std::chrono::milliseconds timeout,
                                                     const std::string& hostname);
 
+/// Whether this build has the NCCL backend (a CUDA LibTorch and nccl.h at configure time).
+bool have_nccl();
+
+/// An NCCL backend for `store` (CUDA tensors; each rank on the device its tensors live on).
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    int rank, int size,
+                                                    std::chrono::milliseconds timeout);
+
 }  // namespace apex::parallel::detail

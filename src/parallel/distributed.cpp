@@ -45,7 +45,8 @@ std::shared_ptr<c10d::Reducer> make_reducer(std::vector<at::Tensor> params,
                                             bool grad_as_view,
                                             std::unordered_map<size_t, std::string> names,
                                             int64_t first_cap) {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+// 2.11 (the lent GPU machine's torch) and 2.13 declare the same constructor; 2.12 lies between.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 11)
   return std::make_shared<c10d::Reducer>(std::move(params), std::move(buckets), pg,
                                          std::move(sparse), cap, find_unused, grad_as_view,
                                          std::move(names), first_cap,
@@ -53,10 +54,10 @@ std::shared_ptr<c10d::Reducer> make_reducer(std::vector<at::Tensor> params,
                                          /*use_python_reducer=*/false,
                                          /*bucket_bytes_cap_list=*/std::vector<int64_t>{});
 #else
-  // Older minors order and name the arguments differently (the lent GPU machine has 2.11); no
-  // call for them has been compiled yet, so they get a clear error rather than a guess.
+  // Older minors order and name the arguments differently; no call for them has been compiled
+  // yet, so they get a clear error rather than a guess.
   TORCH_CHECK(false, kWho, ": built against torch ", TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR,
-              ", whose c10d::Reducer constructor apex-cpp does not call yet (torch 2.13 or later "
+              ", whose c10d::Reducer constructor apex-cpp does not call yet (torch 2.11 or later "
               "is needed for DistributedDataParallel)");
 #endif
 }

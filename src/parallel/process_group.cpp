@@ -99,7 +99,7 @@ bool backend_available(Backend backend) {
     case Backend::kGloo:
       return detail::have_gloo();
     case Backend::kNccl:
-      return false;
+      return detail::have_nccl();
   }
   return false;
 }
@@ -219,13 +219,18 @@ ProcessGroup init_process_group(const ProcessGroupOptions& o) {
 
   Backend backend = o.backend();
   if (backend == Backend::kAuto) backend = o.device().is_cuda() ? Backend::kNccl : Backend::kGloo;
-  TORCH_CHECK(backend != Backend::kNccl, who,
-              ": the NCCL backend is not available in this build (apex-cpp creates Gloo groups "
-              "only so far; this LibTorch is ",
-              TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR,
-              "); pass Backend::kGloo, or keep the model on the CPU");
-  TORCH_CHECK(o.device().is_cpu(), who, ": the Gloo backend reduces CPU tensors, got device ",
-              o.device());
+  if (backend == Backend::kNccl) {
+    TORCH_CHECK(detail::have_nccl(), who,
+                ": the NCCL backend is not available in this build (it needs a CUDA build of "
+                "LibTorch and nccl.h at configure time; this LibTorch is ",
+                TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR,
+                "); pass Backend::kGloo, or keep the model on the CPU");
+    TORCH_CHECK(o.device().is_cuda(), who, ": the NCCL backend reduces CUDA tensors, got device ",
+                o.device(), " (pass the rank's CUDA device, e.g. cuda:LOCAL_RANK)");
+  } else {
+    TORCH_CHECK(o.device().is_cpu(), who, ": the Gloo backend reduces CPU tensors, got device ",
+                o.device(), " (use Backend::kNccl or kAuto for CUDA)");
+  }
 
   auto state = std::make_shared<detail::ProcessGroupState>();
   state->rank = rank;
@@ -262,16 +267,28 @@ ProcessGroup init_process_group(const ProcessGroupOptions& o) {
   // C++ workers on one store do not collide.
   state->store = c10::make_intrusive<c10d::PrefixStore>("default_pg", base);
   auto group_store = c10::make_intrusive<c10d::PrefixStore>("0/", state->store);
-  auto backend_store = c10::make_intrusive<c10d::PrefixStore>("cpu/", group_store);
   try {
     auto pg = c10::make_intrusive<c10d::ProcessGroup>(group_store, static_cast<int>(rank),
                                                       static_cast<int>(world));
-    // Loopback jobs keep Gloo's sockets on 127.0.0.1; others let Gloo pick this host's address.
-    const std::string host = is_loopback(addr) ? "127.0.0.1" : "";
-    auto gloo = detail::make_gloo_backend(backend_store, static_cast<int>(rank),
-                                          static_cast<int>(world), o.timeout(), host);
-    pg->setBackend(c10::kCPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
-    pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+    // CPU tensors go through Gloo in both cases (as Python's "cpu:gloo,cuda:nccl"), so that CPU
+    // bookkeeping (losses, flags) can be reduced in an NCCL job too. Loopback jobs keep Gloo's
+    // sockets on 127.0.0.1; others let Gloo pick this host's address.
+    if (backend == Backend::kGloo || detail::have_gloo()) {
+      const std::string host = is_loopback(addr) ? "127.0.0.1" : "";
+      auto gloo = detail::make_gloo_backend(
+          c10::make_intrusive<c10d::PrefixStore>("cpu/", group_store), static_cast<int>(rank),
+          static_cast<int>(world), o.timeout(), host);
+      pg->setBackend(c10::kCPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+    }
+    if (backend == Backend::kNccl) {
+      auto nccl =
+          detail::make_nccl_backend(c10::make_intrusive<c10d::PrefixStore>("cuda/", group_store),
+                                    static_cast<int>(rank), static_cast<int>(world), o.timeout());
+      pg->setBackend(c10::kCUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
+      pg->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+    } else {
+      pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+    }
     pg->setGroupName("0");
     state->group = pg;
   } catch (const std::exception& e) {

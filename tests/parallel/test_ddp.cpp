@@ -494,11 +494,20 @@ TEST(ProcessGroup, GroupOfOneAndBadOptions) {
   EXPECT_TRUE(apex::test::throws_with(
       [] { ap::init_process_group(ap::ProcessGroupOptions().rank(2).world_size(2)); },
       "rank must be in [0, world_size = 2), got 2"));
+  // NCCL: absent from a CPU build of LibTorch, and only for CUDA tensors where it is present.
   EXPECT_TRUE(apex::test::throws_with(
       [] {
         ap::init_process_group(ap::ProcessGroupOptions().world_size(1).backend(ap::Backend::kNccl));
       },
-      "NCCL backend is not available"));
+      ap::backend_available(ap::Backend::kNccl) ? "the NCCL backend reduces CUDA tensors, got "
+                                                  "device cpu"
+                                                : "NCCL backend is not available"));
+  EXPECT_TRUE(apex::test::throws_with(
+      [] {
+        ap::init_process_group(
+            ap::ProcessGroupOptions().world_size(1).backend(ap::Backend::kGloo).device(c10::kCUDA));
+      },
+      "the Gloo backend reduces CPU tensors, got device cuda"));
   auto pg = ap::init_process_group(ap::ProcessGroupOptions().rank(0).world_size(1));
   EXPECT_EQ(pg.size(), 1);
   at::Tensor t = at::arange(5, at::kFloat);

@@ -2,6 +2,7 @@
 
 #include <apex/amp/cpu_half.h>
 #include <apex/amp/utils.h>
+#include <apex/parallel/process_group.h>
 #include <c10/util/Exception.h>
 
 #include <ATen/Context.h>
@@ -328,8 +329,19 @@ Cli parse_cli(const std::vector<std::string>& args) {
   TORCH_CHECK(!(o.ddp && cli.nproc > 0),
               "apex-train: give either --ddp (under torchrun) or "
               "--nproc N (apex-train starts the ranks itself), not both");
-  TORCH_CHECK(!o.ddp || o.device.is_cpu(),
-              "apex-train: --ddp runs on the CPU (Gloo) only in this build; NCCL is not there yet");
+  TORCH_CHECK(!(o.ddp || cli.nproc > 0) || o.device.is_cpu() ||
+                  apex::parallel::backend_available(apex::parallel::Backend::kNccl),
+              "apex-train: --ddp on ", o.device,
+              " needs the NCCL backend, which this build lacks (a CUDA build of LibTorch and "
+              "nccl.h at configure time); use --device cpu (Gloo)");
+  if (o.ddp && o.device.is_cuda() && !o.device.has_index()) {
+    // One GPU per rank, as torchrun's LOCAL_RANK numbers them on this node.
+    const char* local = std::getenv("LOCAL_RANK");
+    const long index = local != nullptr ? std::strtol(local, nullptr, 10) : 0;
+    TORCH_CHECK(index >= 0 && index < 1024, "apex-train: LOCAL_RANK must be in [0, 1024), got ",
+                local);
+    o.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+  }
   TORCH_CHECK(o.steps == 0 || o.epochs == 0, "apex-train: give either --steps or --epochs");
   if (o.steps == 0 && o.epochs == 0) o.steps = model_family(o.model.family).default_steps;
   return cli;

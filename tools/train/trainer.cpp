@@ -560,7 +560,7 @@ Summary train(const TrainOptions& o, const Split& data) {
   std::optional<apex::parallel::ProcessGroup> pg;
   if (o.ddp) {
     pg = apex::parallel::init_process_group(
-        apex::parallel::ProcessGroupOptions().timeout(std::chrono::minutes(5)));
+        apex::parallel::ProcessGroupOptions().device(o.device).timeout(std::chrono::minutes(5)));
   }
   const int64_t rank = pg ? pg->rank() : 0;
   const int64_t world = pg ? pg->size() : 1;

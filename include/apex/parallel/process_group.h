@@ -1,6 +1,7 @@
 #pragma once
 
-// Process groups on LibTorch's own c10d: a TCPStore rendezvous and a Gloo backend (CPU tensors).
+// Process groups on LibTorch's own c10d: a TCPStore rendezvous, Gloo for CPU tensors and, in a
+// build against a CUDA LibTorch with nccl.h, NCCL for CUDA tensors.
 // c10d's headers stay out of this one (they are heavy and unstable); apex/parallel/c10d.h gives
 // the underlying c10d::ProcessGroup to code that wants it.
 
@@ -46,7 +47,8 @@ struct ProcessGroupOptions {
   /// too. Unset: true when $TORCHELASTIC_USE_AGENT_STORE is "True". Otherwise rank 0 serves it.
   TORCH_ARG(std::optional<bool>, use_agent_store) = std::nullopt;
   TORCH_ARG(Backend, backend) = Backend::kAuto;
-  /// The device whose tensors the group reduces (picks the backend when kAuto).
+  /// The device whose tensors the group reduces (picks the backend when kAuto). With NCCL, CPU
+  /// tensors of the same group go through Gloo where it is built.
   TORCH_ARG(c10::Device, device) = c10::kCPU;
   /// Longest wait for the rendezvous and for any one collective: a dead or missing rank makes the
   /// others fail after this, never hang. torch's default is 30 minutes.
