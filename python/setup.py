@@ -22,19 +22,25 @@ class CMakeBuild(build_ext):
 
     def build_extension(self, ext):
         try:
-            import torch  # noqa: F401
+            import torch
         except ImportError as err:
             raise RuntimeError("apex-cpp builds against the installed torch: install torch first "
                                "and use pip install --no-build-isolation") from err
         if not os.path.exists(os.path.join(ROOT, "src", "CMakeLists.txt")):
             raise RuntimeError(f"apex-cpp: {ROOT} is not an apex-cpp checkout (python/ builds from "
                                "its parent folder)")
-        build_dir = os.path.abspath(os.path.join(self.build_temp, "apex-cpp"))
+        # One build folder per torch: a CMake cache keeps the LibTorch it first found, so a folder
+        # shared between venvs would build for the wrong torch.
+        import hashlib
+        tag = hashlib.sha1(f"{torch.__version__} {torch.__file__}".encode()).hexdigest()[:10]
+        build_dir = os.path.abspath(os.path.join(self.build_temp, f"apex-cpp-{tag}"))
+        torch_dir = os.path.join(torch.utils.cmake_prefix_path, "Torch")
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or str(os.cpu_count() or 2)
         subprocess.check_call(
             ["cmake", "-S", ROOT, "-B", build_dir, *generator, "-DCMAKE_BUILD_TYPE=Release",
-             f"-DAPEX_PYTHON_EXECUTABLE={sys.executable}", "-DAPEX_BUILD_PYTHON=ON",
+             f"-DAPEX_PYTHON_EXECUTABLE={sys.executable}", f"-DTorch_DIR={torch_dir}",
+             "-DAPEX_BUILD_PYTHON=ON",
              "-DAPEX_BUILD_TESTS=OFF", "-DAPEX_BUILD_EXAMPLES=OFF", "-DAPEX_BUILD_BENCHMARKS=OFF",
              "-DAPEX_BUILD_TOOLS=OFF"])
         subprocess.check_call(["cmake", "--build", build_dir, "--target", "apex_python_ops",
@@ -42,6 +48,9 @@ class CMakeBuild(build_ext):
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         shutil.copyfile(os.path.join(build_dir, "python", "_apex_cpp.so"), target)
+        # The torch the op library was compiled against: apex refuses to load it under another.
+        with open(os.path.join(os.path.dirname(target), "_build_info.py"), "w") as f:
+            f.write(f"TORCH_VERSION = {torch.__version__!r}\n")
 
 
 setup(ext_modules=[Extension("apex._apex_cpp", sources=[])], cmdclass={"build_ext": CMakeBuild})

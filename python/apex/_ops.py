@@ -13,6 +13,17 @@ if not os.path.exists(_LIB):
     raise ImportError(
         f"apex (apex-cpp): the op library {_LIB} is missing; reinstall with "
         "`pip install --no-build-isolation <checkout>/python`")
+try:
+    from apex._build_info import TORCH_VERSION as _BUILT_FOR
+except ImportError:  # built by CMake directly (-DAPEX_BUILD_PYTHON=ON), not by pip
+    _BUILT_FOR = None
+if _BUILT_FOR is not None and _BUILT_FOR.split("+")[0] != torch.__version__.split("+")[0]:
+    # LibTorch's C++ ABI changes between releases: loading it anyway fails on a missing symbol
+    # at best.
+    raise ImportError(
+        f"apex (apex-cpp): the op library was built for torch {_BUILT_FOR}, but torch "
+        f"{torch.__version__} is installed; reinstall with "
+        "`pip install --no-build-isolation <checkout>/python`")
 torch.ops.load_library(_LIB)
 ops = torch.ops.apex_cpp
 

@@ -1,8 +1,14 @@
 #include "parallel/batch_norm_ops.h"
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/var_mean.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <cstring>
 
 #include "bridge/bridge.h"
 
@@ -14,13 +20,65 @@ at::Tensor channel_values(const at::Tensor& t, int64_t c, const char* who, const
   return t.detach().to(at::kFloat).contiguous();
 }
 
+// ---- the device-generic route (ATen ops): CUDA input, and CPU input when forced ---------------
+// Sums in float64 as the CPU kernels' (a float64 copy of the input for the reductions); results
+// that the collectives carry ([2C+1] and [2C]) come back on the CPU, as the CPU route's.
+
+bool use_aten(const at::Tensor& x) {
+  static const bool forced = [] {
+    const char* v = std::getenv("APEX_SYNC_BN_ATEN");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return !x.is_cpu() || forced;
+}
+
+// Every dimension but the channels'.
+std::vector<int64_t> reduce_dims(const at::Tensor& x) {
+  std::vector<int64_t> dims{0};
+  for (int64_t d = 2; d < x.dim(); ++d) dims.push_back(d);
+  return dims;
+}
+
+// Per-channel values as [1, C, 1, ...] on x's device, to broadcast against x.
+at::Tensor per_channel(const at::Tensor& t, const at::Tensor& x, at::ScalarType dtype) {
+  std::vector<int64_t> shape(static_cast<size_t>(x.dim()), 1);
+  shape[1] = x.size(1);
+  return t.detach().to(x.device(), dtype).reshape(shape);
+}
+
+at::Tensor aten_stats(const at::Tensor& x) {
+  const int64_t c = x.size(1);
+  const int64_t n = c > 0 ? x.numel() / c : 0;
+  if (n == 0) return at::zeros({2 * c + 1}, at::kDouble);
+  const auto [var, mean] = at::var_mean(x.to(at::kDouble), reduce_dims(x), /*correction=*/0);
+  return at::cat({mean, var * static_cast<double>(n),
+                  at::full({1}, static_cast<double>(n), var.options())})
+      .cpu();
+}
+
+at::Tensor aten_backward_reduce(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean) {
+  const auto dims = reduce_dims(x);
+  const at::Tensor g = dy.to(at::kDouble);
+  const at::Tensor xmu = x.to(at::kDouble) - per_channel(mean, x, at::kDouble);
+  return at::cat({g.sum(dims), (g * xmu).sum(dims)}).cpu();
+}
+
+at::Tensor aten_elemt(const at::Tensor& u, const at::Tensor* v, const at::Tensor& mean,
+                      const at::Tensor& a, const at::Tensor* b, const at::Tensor& k) {
+  at::Tensor out =
+      (u.to(at::kFloat) - per_channel(mean, u, at::kFloat)) * per_channel(a, u, at::kFloat) +
+      per_channel(k, u, at::kFloat);
+  if (v != nullptr) out = out + per_channel(*b, u, at::kFloat) * v->to(at::kFloat);
+  return out.to(u.scalar_type()).contiguous(u.suggest_memory_format());
+}
+
 }  // namespace
 
 BatchNormLayout batch_norm_layout(const at::Tensor& x, const char* who) {
   TORCH_CHECK(x.dim() >= 2, who, ": expected an input of at least 2 dimensions (N, C, ...), got ",
               x.sizes());
-  TORCH_CHECK(x.device().is_cpu(), who, ": these kernels run on the CPU, got a tensor on ",
-              x.device());
+  TORCH_CHECK(x.device().is_cpu() || x.device().is_cuda(), who,
+              ": expected a CPU or CUDA tensor, got one on ", x.device());
   BatchNormLayout l;
   const int64_t n = x.size(0);
   const int64_t c = x.size(1);
@@ -44,6 +102,7 @@ BatchNormLayout batch_norm_layout(const at::Tensor& x, const char* who) {
 
 at::Tensor batch_norm_stats(const at::Tensor& input, const char* who) {
   const BatchNormLayout l = batch_norm_layout(input, who);
+  if (use_aten(input)) return aten_stats(input);
   const at::Tensor x = input.contiguous(l.format);
   const int64_t c = l.shape.channels;
   at::Tensor out = at::zeros({2 * c + 1}, input.options().dtype(at::kDouble));
@@ -65,6 +124,12 @@ at::Tensor batch_norm_elemt(const char* who, const at::Tensor& u, const at::Tens
   const int64_t c = l.shape.channels;
   TORCH_CHECK(v == nullptr || v->sizes() == u.sizes(), who, ": the gradient has shape ",
               v == nullptr ? u.sizes() : v->sizes(), ", expected ", u.sizes());
+  if (use_aten(u)) {
+    TORCH_CHECK(
+        mean.numel() == c && a.numel() == c && k.numel() == c && (b == nullptr || b->numel() == c),
+        who, ": expected ", c, " values per channel");
+    return aten_elemt(u, v, mean, a, b, k);
+  }
   const at::Tensor x = u.contiguous(l.format);
   const at::Tensor dy = v != nullptr ? v->contiguous(l.format) : at::Tensor();
   const at::Tensor mf = channel_values(mean, c, who, "mean");
@@ -96,6 +161,7 @@ at::Tensor batch_norm_backward_reduce(const char* who, const at::Tensor& grad_ou
   TORCH_CHECK(grad_out.sizes() == input.sizes(), who, ": the gradient has shape ", grad_out.sizes(),
               ", expected ", input.sizes());
   TORCH_CHECK(mean64.numel() == c, who, ": mean has ", mean64.numel(), " elements, expected ", c);
+  if (use_aten(input)) return aten_backward_reduce(grad_out, input, mean64);
   const at::Tensor x = input.contiguous(l.format);
   const at::Tensor dy = grad_out.contiguous(l.format);
   const at::Tensor m = mean64.detach().to(at::kDouble).contiguous();

@@ -2,7 +2,9 @@
 
 // Internal: SyncBatchNorm's per-rank pieces on the CPU kernels (kernels/batch_norm.h), tensors in
 // and out, for the two front doors that run the collectives between them: the C++ SyncBatchNorm
-// (sync_batch_norm.cpp) and the Python package's ops (python/csrc/ops.cpp).
+// (sync_batch_norm.cpp) and the Python package's ops (python/csrc/ops.cpp). CUDA input takes a
+// route through ATen ops (float64 sums), which APEX_SYNC_BN_ATEN=1 forces for CPU input too (the
+// tests check it there). Statistics and sums come back on the CPU either way.
 
 #include <ATen/core/Tensor.h>
 
@@ -16,7 +18,7 @@ struct BatchNormLayout {
   at::MemoryFormat format = at::MemoryFormat::Contiguous;
 };
 
-/// The layout of an (N, C, ...) CPU input; errors name `who`.
+/// The layout of an (N, C, ...) input; errors name `who`.
 BatchNormLayout batch_norm_layout(const at::Tensor& x, const char* who);
 
 /// [2C + 1] float64: per channel mean and M2 (sum of squared deviations), then the count.

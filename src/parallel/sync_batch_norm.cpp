@@ -20,8 +20,15 @@ struct GroupCapsule : torch::CustomClassHolder {
   ProcessGroup group;
 };
 
-at::Tensor float_or_ones(const at::Tensor& t, int64_t c) {
-  return t.defined() ? t.detach().to(at::kFloat).contiguous() : at::ones({c}, at::kFloat);
+at::Tensor float_or_ones(const at::Tensor& t, int64_t c, c10::Device device) {
+  return t.defined() ? t.detach().to(at::kFloat).contiguous()
+                     : at::ones({c}, at::TensorOptions().dtype(at::kFloat).device(device));
+}
+
+// The statistics travel where the group's backend reduces (a CUDA group may have no Gloo for CPU
+// tensors) and come back to the CPU, where the merge runs.
+at::Tensor to_group(const at::Tensor& t, const ProcessGroup& group) {
+  return group.device().is_cpu() ? t : t.to(group.device());
 }
 
 struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunction> {
@@ -45,10 +52,11 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     const auto dbl = at::TensorOptions().dtype(at::kDouble);
     // Local statistics, then [mean, m2, count] of every rank, merged in rank order (Chan).
     const at::Tensor local = detail::batch_norm_stats(x, kWho);
-    const std::vector<at::Tensor> all = group.all_gather(local);
+    std::vector<at::Tensor> all = group.all_gather(to_group(local, group));
     std::vector<double> mean(C, 0.0), m2(C, 0.0);
     double total = 0;
-    for (const auto& r : all) {
+    for (auto& r : all) {
+      r = r.cpu();
       const double* p = r.data_ptr<double>();
       const double nb = p[2 * C];
       if (nb <= 0) continue;  // an empty batch adds nothing
@@ -69,6 +77,8 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
       mean_f.data_ptr<float>()[c] = static_cast<float>(mean[c]);
       invstd_f.data_ptr<float>()[c] = static_cast<float>(1.0 / std::sqrt(m2[c] / total + eps));
     }
+    mean_f = mean_f.to(x.device());
+    invstd_f = invstd_f.to(x.device());
     if (running_mean.defined()) {
       const at::NoGradGuard no_grad;
       num_batches_tracked.add_(1);
@@ -77,12 +87,13 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
                            : 1.0 / static_cast<double>(num_batches_tracked.item<int64_t>());
       at::Tensor gm = at::from_blob(mean.data(), {C}, dbl).clone();
       at::Tensor gv = at::from_blob(m2.data(), {C}, dbl).clone().div_(total - 1);
-      running_mean.mul_(1 - f).add_(gm.to(running_mean.scalar_type()), f);
-      running_var.mul_(1 - f).add_(gv.to(running_var.scalar_type()), f);
+      running_mean.mul_(1 - f).add_(gm.to(running_mean.device(), running_mean.scalar_type()), f);
+      running_var.mul_(1 - f).add_(gv.to(running_var.device(), running_var.scalar_type()), f);
     }
-    const at::Tensor w = float_or_ones(weight, C);
+    const at::Tensor w = float_or_ones(weight, C, x.device());
     const at::Tensor b =
-        bias.defined() ? bias.detach().to(at::kFloat).contiguous() : at::zeros({C}, at::kFloat);
+        bias.defined() ? bias.detach().to(at::kFloat).contiguous()
+                       : at::zeros({C}, at::TensorOptions().dtype(at::kFloat).device(x.device()));
     const at::Tensor scale = w * invstd_f;
     at::Tensor y = detail::batch_norm_elemt(kWho, x, nullptr, mean_f, scale, nullptr, b);
 
@@ -109,20 +120,23 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     const int64_t C = x.size(1);
     const at::Tensor dy = grads[0];
     at::Tensor sums = detail::batch_norm_backward_reduce(kWho, dy, x, mean64);
+    // Per-channel float values on x's device.
+    const auto channel = [&](const at::Tensor& t) { return t.to(x.device(), at::kFloat); };
     at::Tensor grad_weight, grad_bias, grad_input;
     if (weight.defined() && ctx->needs_input_grad(1)) {
-      grad_weight = (sums.slice(0, C, 2 * C).to(at::kFloat) * invstd).to(weight.scalar_type());
+      grad_weight = (channel(sums.slice(0, C, 2 * C)) * invstd).to(weight.scalar_type());
     }
     if (ctx->needs_input_grad(2)) {
-      grad_bias = sums.slice(0, 0, C)
-                      .to(at::kFloat)
-                      .to(weight.defined() ? weight.scalar_type() : at::kFloat);
+      grad_bias =
+          channel(sums.slice(0, 0, C)).to(weight.defined() ? weight.scalar_type() : at::kFloat);
     }
     if (ctx->needs_input_grad(0)) {
-      group.all_reduce_(sums);  // the global sum_dy and sum_dy_xmu
-      const at::Tensor w = float_or_ones(weight, C);
-      const at::Tensor s_dy = sums.slice(0, 0, C).to(at::kFloat);
-      const at::Tensor s_dyx = sums.slice(0, C, 2 * C).to(at::kFloat);
+      at::Tensor global = to_group(sums, group);
+      group.all_reduce_(global);  // the global sum_dy and sum_dy_xmu
+      sums = global.cpu();
+      const at::Tensor w = float_or_ones(weight, C, x.device());
+      const at::Tensor s_dy = channel(sums.slice(0, 0, C));
+      const at::Tensor s_dyx = channel(sums.slice(0, C, 2 * C));
       const float inv_n = static_cast<float>(1.0 / total);
       const at::Tensor b = (w * invstd).contiguous();
       const at::Tensor a = (-(w * invstd * invstd * invstd) * s_dyx * inv_n).contiguous();
@@ -237,8 +251,8 @@ at::Tensor SyncBatchNormImpl::forward(const at::Tensor& input) {
                           batch_stats ? at::Tensor() : running_var, batch_stats, 0.0, options.eps(),
                           false);
   }
-  TORCH_CHECK(input.device().is_cpu(), kWho, ": training input on ", input.device(),
-              " needs the NCCL backend, which this build does not have yet; CPU input only");
+  TORCH_CHECK(input.device().is_cpu() || input.device().is_cuda(), kWho,
+              ": expected CPU or CUDA training input, got input on ", input.device());
   TORCH_CHECK(group.valid(), kWho,
               ": no process group (call apex::parallel::init_process_group before constructing "
               "the module, or pass one)");

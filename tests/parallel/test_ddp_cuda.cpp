@@ -120,4 +120,40 @@ TEST(DdpCuda, AmpO2WorldOfOneEqualsNoDdp) {
   ap::destroy_process_group();
 }
 
+// SyncBatchNorm on CUDA input (the ATen route; the collectives on the NCCL group), world of one:
+// equals ATen's BatchNorm in float64 on the same batch, incl. channels-last and fp16.
+TEST(DdpCuda, SyncBatchNormEqualsBatchNorm) {
+  APEX_REQUIRE_CUDA();
+  auto pg = group_on_gpu();
+  for (const bool channels_last : {false, true}) {
+    for (const auto dtype : {at::kFloat, at::kHalf}) {
+      torch::nn::BatchNormOptions o(6);
+      ap::SyncBatchNorm bn(o, pg);
+      bn->to(kGpu);
+      torch::nn::BatchNorm2d ref(o);
+      ref->to(at::kDouble);
+      at::Tensor x = (at::randn({5, 6, 7, 9}, at::detail::createCPUGenerator(3)) * 3 + 10);
+      const at::Tensor g = at::randn({5, 6, 7, 9}, at::detail::createCPUGenerator(4));
+      at::Tensor xd = x.to(kGpu, dtype);
+      if (channels_last) xd = xd.contiguous(at::MemoryFormat::ChannelsLast);
+      xd.requires_grad_();
+      at::Tensor xr = x.to(dtype).to(at::kDouble).requires_grad_();  // the same rounded input
+      at::Tensor y = bn->forward(xd);
+      (y.to(at::kFloat) * g.to(kGpu)).sum().backward();
+      const at::Tensor yr = ref->forward(xr);
+      yr.mul(g.to(at::kDouble)).sum().backward();
+      const auto tol = apex::test::tolerance_for(dtype);
+      EXPECT_EQ(y.scalar_type(), dtype);
+      EXPECT_TRUE(apex::test::all_close(y.cpu(), yr.detach(), tol))
+          << channels_last << " " << dtype;
+      EXPECT_TRUE(apex::test::all_close(xd.grad().cpu(), xr.grad(), tol));
+      EXPECT_TRUE(apex::test::all_close(bn->weight.grad().cpu(), ref->weight.grad(), tol));
+      EXPECT_TRUE(apex::test::all_close(bn->bias.grad().cpu(), ref->bias.grad(), tol));
+      EXPECT_TRUE(apex::test::all_close(bn->running_mean.cpu(), ref->running_mean, tol));
+      EXPECT_TRUE(apex::test::all_close(bn->running_var.cpu(), ref->running_var, tol));
+    }
+  }
+  ap::destroy_process_group();
+}
+
 }  // namespace
