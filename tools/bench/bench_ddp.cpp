@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -27,6 +28,14 @@ namespace apex::bench {
 namespace {
 
 namespace fs = std::filesystem;
+
+// Untimed steps before every timed run, ours and the peer's alike.
+constexpr int64_t kWarmup = 3;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
 
 std::string read_text(const fs::path& p) {
   std::ifstream in(p);
@@ -82,7 +91,7 @@ double python_run(const std::string& model, int world, int64_t steps) {
   const std::string cmd = std::string(APEX_PYTHON) + " " + APEX_SOURCE_DIR +
                           "/tools/bench/ddp_peer.py --model " + model + " --world " +
                           std::to_string(world) + " --steps " + std::to_string(steps) +
-                          " --threads 1";
+                          " --warmup " + std::to_string(kWarmup) + " --threads 1";
   return apex::train::json::get_number(run_peer(cmd), "samples_per_s");
 }
 
@@ -91,10 +100,13 @@ double python_run(const std::string& model, int world, int64_t steps) {
 int run_ddp_rank(int argc, char** argv) {
   TORCH_CHECK(argc == 6, "apex-bench ddp-rank: internal use (model steps ddp|plain out)");
   const std::string model = argv[2];
+  // kWarmup untimed steps first, as the Python peer's (ddp_peer.py --warmup).
+  const std::string total = std::to_string(std::stoll(argv[3]) + kWarmup);
   apex::train::Cli cli = apex::train::parse_cli(
-      {"--model", model, "--opt-level", "fp32", "--no-progress", "--threads", "1", "--steps",
-       argv[3], "--log-every", argv[3], "--optimizer", "fused-adam"});
+      {"--model", model, "--opt-level", "fp32", "--no-progress", "--threads", "1", "--steps", total,
+       "--log-every", total, "--optimizer", "fused-adam"});
   cli.train.ddp = std::string(argv[4]) == "ddp";
+  cli.train.untimed_steps = kWarmup;
   const auto data = apex::train::load_data(cli.train);
   const auto s = apex::train::train(cli.train, data);
   if (s.rank == 0) {
@@ -114,19 +126,36 @@ int run_ddp(const Config& cfg) {
   if (!cfg.json.empty()) json.open(cfg.json);
   json << "{\"area\": \"ddp\", \"ranks\": " << world << ", \"threads_per_rank\": 1, \"rows\": [";
   bool first = true;
-  std::printf("%d ranks x 1 thread against 1 x 1, fp32, per-rank batch 64 (weak scaling)\n", world);
+  std::printf(
+      "%d ranks x 1 thread against 1 x 1, fp32, per-rank batch 64 (weak scaling); medians of %d "
+      "rounds, %lld untimed steps first\n",
+      world, std::clamp(cfg.repeats, 1, 5), static_cast<long long>(kWarmup));
   std::printf("%-12s %8s %8s %9s %8s %8s %7s %8s %8s %7s %8s %8s %7s %6s\n", "model", "1x1",
               "Nx1 indep", "ddp1", "ddp1 cost", "ddpN", "effic.", "vs limit", "comm ms", "hidden",
               "py 1x1", "py ddpN", "py eff", "vs py");
   for (const std::string model : {"transformer", "resnet"}) {
     if (!selected(cfg, model)) continue;
     const int64_t steps = model == "transformer" ? 16 : 30;
-    const auto plain = apex_run(model, 0, steps, work);
-    const auto side_by_side = apex_run(model, 0, steps, work, world);
-    const auto one = apex_run(model, 1, steps, work);
-    const auto many = apex_run(model, world, steps, work);
-    const double py_plain = python_run(model, 0, steps);
-    const double py = python_run(model, world, steps);
+    // Rounds of every configuration in turn (drift on a shared VM hits them alike), medians.
+    const int rounds = std::clamp(cfg.repeats, 1, 5);
+    std::vector<double> v_plain, v_side, v_one, v_many, v_py_plain, v_py;
+    apex::train::Summary many;
+    for (int round = 0; round < rounds; ++round) {
+      v_plain.push_back(apex_run(model, 0, steps, work).samples_per_s);
+      v_side.push_back(apex_run(model, 0, steps, work, world).samples_per_s);
+      v_one.push_back(apex_run(model, 1, steps, work).samples_per_s);
+      const auto m = apex_run(model, world, steps, work);
+      v_many.push_back(m.samples_per_s);
+      if (round == 0 || m.samples_per_s == median(v_many)) many = m;  // its Logger timings
+      v_py_plain.push_back(python_run(model, 0, steps));
+      v_py.push_back(python_run(model, world, steps));
+    }
+    struct {
+      double samples_per_s;
+    } plain{median(v_plain)}, side_by_side{median(v_side)}, one{median(v_one)};
+    many.samples_per_s = median(v_many);
+    const double py_plain = median(v_py_plain);
+    const double py = median(v_py);
     const double efficiency = many.samples_per_s / (world * plain.samples_per_s);
     const double vs_limit = many.samples_per_s / side_by_side.samples_per_s;
     const double py_efficiency = py / (world * py_plain);
@@ -151,7 +180,8 @@ int run_ddp(const Config& cfg) {
          << ", \"backward_compute_ms\": " << many.ddp_backward_compute_ms
          << ", \"backward_comm_ms\": " << many.ddp_backward_comm_ms
          << ", \"overlap_ms\": " << many.ddp_overlap_ms << ", \"hidden_share\": " << hidden
-         << ", \"peer_ddp_samples_per_s\": " << py << ", \"steps\": " << steps << "}";
+         << ", \"peer_ddp_samples_per_s\": " << py << ", \"steps\": " << steps
+         << ", \"rounds\": " << rounds << "}";
     first = false;
   }
   json << "]}\n";

@@ -613,6 +613,8 @@ Summary train(const TrainOptions& o, const Split& data) {
   Progress progress(o.opt_level, start, total, o.progress && rank == 0);
   const auto t0 = Clock::now();
   double train_seconds = 0;
+  double timed_seconds = 0;  // from step start + untimed on (samples_per_s)
+  const int64_t untimed = std::clamp<int64_t>(o.untimed_steps, 0, total - start - 1);
   // The window's loss stays on the device until it is logged: no host sync per micro-batch.
   at::Tensor window_loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(o.device));
   int64_t window_steps = 0;
@@ -660,7 +662,9 @@ Summary train(const TrainOptions& o, const Split& data) {
         optimizer->step();
       }
       ++window_steps;
-      train_seconds += seconds_since(step_t0);
+      const double step_seconds = seconds_since(step_t0);
+      train_seconds += step_seconds;
+      if (step - start >= untimed) timed_seconds += step_seconds;
       if (ampp != nullptr) {
         const int64_t skipped = ampp->skipped_steps();
         skipped_in_a_row = skipped > skipped_before ? skipped_in_a_row + 1 : 0;
@@ -744,7 +748,8 @@ Summary train(const TrainOptions& o, const Split& data) {
   s.steps = total - start;
   s.samples = s.steps * per_step;
   s.train_seconds = train_seconds;
-  s.samples_per_s = static_cast<double>(s.samples) / std::max(1e-9, train_seconds);
+  s.samples_per_s =
+      static_cast<double>((s.steps - untimed) * per_step) / std::max(1e-9, timed_seconds);
   s.test_loss = e.loss;
   s.test_accuracy = e.accuracy;
   s.skipped_steps = ampp ? ampp->skipped_steps() : 0;

@@ -43,7 +43,11 @@ struct TrainOptions {
   c10::Device device = c10::kCPU;
   int threads = 0;
   int64_t accumulate = 1;  ///< micro-batches per optimizer step
-  double clip = 0.0;       ///< max gradient norm (0: off)
+  /// Steps before the throughput clock starts (Summary::samples_per_s), as the benchmarks' Python
+  /// peers time after a warm-up: the first steps pay one-time costs (allocations, oneDNN
+  /// primitives, DDP's bucket rebuild). At least one step is always timed.
+  int64_t untimed_steps = 0;
+  double clip = 0.0;  ///< max gradient norm (0: off)
   int64_t log_every = 10;
   std::string metrics;           ///< JSON-lines file
   std::string checkpoint;        ///< directory
