@@ -18,18 +18,21 @@ PIP=${APEX_PIP:-/opt/apex-cpp/venv/bin/pip}
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 NVCC=${CUDACXX:-$CUDA_HOME/bin/nvcc}
 
-if [ ! -d "$ROOT/torch" ]; then
+if [ ! -f "$ROOT/.torch" ]; then  # (a marker: an unpack cut short is redone)
   mkdir -p "$ROOT/wheels"
   "$PIP" download --no-deps -d "$ROOT/wheels" "torch==$VERSION"
-  python3 -m zipfile -e "$ROOT"/wheels/torch-*.whl "$ROOT"
+  python3 -m zipfile -e "$(ls "$ROOT"/wheels/torch-"$VERSION"[-+]*.whl | head -1)" "$ROOT"
+  touch "$ROOT/.torch"
 fi
 # The headers that a CUDA torch's own headers include (cuBLAS, cuSPARSE, cuSOLVER, NCCL), from
 # the wheels torch's metadata pins, unpacked beside torch where pip would install them.
 if [ ! -f "$ROOT/.headers" ]; then
   specs=$(sed -n 's/^Requires-Dist: \(cuda-toolkit\|nvidia-nccl-cu[0-9]*\)\(\[[^]]*\]\)\{0,1\}\(==[^;]*\);.*/\1\2\3/p' \
           "$ROOT"/torch-*.dist-info/METADATA | sed 's/\[.*\]/[cublas,cusolver,cusparse]/')
+  set -f  # the specs hold [extras]: no globbing
   # shellcheck disable=SC2086
   "$PIP" download -d "$ROOT/wheels" $specs
+  set +f
   python3 - "$ROOT" <<'EOF'
 import glob, sys, zipfile
 root = sys.argv[1]
@@ -48,7 +51,8 @@ echo 'void apex_cuda_stub(void) {}' >"$ROOT/stubs/stub.c"
 for lib in $(LD_LIBRARY_PATH="$ROOT/stubs:$CUDA_HOME/lib64" ldd "$ROOT"/torch/lib/*.so 2>/dev/null |
              awk '/not found/ {print $1}' | sort -u); do
   versions=$(for so in "$ROOT"/torch/lib/*.so; do readelf -V --wide "$so"; done |
-             awk -v lib="$lib" '/File:/ {file = $5} /Name:/ && file == lib {print $3}' | sort -u)
+             awk -v lib="$lib" '/Version needs section/ {file = ""} /File:/ {file = $5}
+                                  /Name:/ && file == lib {print $3}' | sort -u)
   : >"$ROOT/stubs/$lib.map"
   for v in ${versions:-$lib}; do
     printf '%s { global: apex_cuda_stub; };\n' "$v" >>"$ROOT/stubs/$lib.map"

@@ -17,9 +17,9 @@ try:
     from apex._build_info import TORCH_VERSION as _BUILT_FOR
 except ImportError:  # built by CMake directly (-DAPEX_BUILD_PYTHON=ON), not by pip
     _BUILT_FOR = None
-if _BUILT_FOR is not None and _BUILT_FOR.split("+")[0] != torch.__version__.split("+")[0]:
-    # LibTorch's C++ ABI changes between releases: loading it anyway fails on a missing symbol
-    # at best.
+if _BUILT_FOR is not None and _BUILT_FOR != torch.__version__:
+    # LibTorch's C++ ABI changes between releases, and a +cpu and a +cu130 build of one release
+    # differ in their libraries: loading it anyway fails on a missing symbol at best.
     raise ImportError(
         f"apex (apex-cpp): the op library was built for torch {_BUILT_FOR}, but torch "
         f"{torch.__version__} is installed; reinstall with "

@@ -329,17 +329,23 @@ Cli parse_cli(const std::vector<std::string>& args) {
   TORCH_CHECK(!(o.ddp && cli.nproc > 0),
               "apex-train: give either --ddp (under torchrun) or "
               "--nproc N (apex-train starts the ranks itself), not both");
+  const char* launch = cli.nproc > 0 ? "--nproc" : "--ddp";
   TORCH_CHECK(!(o.ddp || cli.nproc > 0) || o.device.is_cpu() ||
                   apex::parallel::backend_available(apex::parallel::Backend::kNccl),
-              "apex-train: --ddp on ", o.device,
+              "apex-train: ", launch, " on ", o.device,
               " needs the NCCL backend, which this build lacks (a CUDA build of LibTorch and "
               "nccl.h at configure time); use --device cpu (Gloo)");
+  TORCH_CHECK(!(cli.nproc > 1 && o.device.is_cuda() && o.device.has_index()),
+              "apex-train: --nproc ", cli.nproc, " with --device ", o.device,
+              " would put every rank on one GPU; give --device cuda (rank r takes cuda:r)");
   if (o.ddp && o.device.is_cuda() && !o.device.has_index()) {
     // One GPU per rank, as torchrun's LOCAL_RANK numbers them on this node.
     const char* local = std::getenv("LOCAL_RANK");
-    const long index = local != nullptr ? std::strtol(local, nullptr, 10) : 0;
-    TORCH_CHECK(index >= 0 && index < 1024, "apex-train: LOCAL_RANK must be in [0, 1024), got ",
-                local);
+    char* end = nullptr;
+    const long index = local != nullptr ? std::strtol(local, &end, 10) : 0;
+    TORCH_CHECK(local == nullptr || (end != local && *end == '\0' && index >= 0 && index < 1024),
+                "apex-train: LOCAL_RANK must be an integer in [0, 1024), got '",
+                local != nullptr ? local : "", "'");
     o.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
   }
   TORCH_CHECK(o.steps == 0 || o.epochs == 0, "apex-train: give either --steps or --epochs");

@@ -14,6 +14,8 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
@@ -558,6 +560,11 @@ Summary train(const TrainOptions& o, const Split& data) {
   const bool plain = o.opt_level == "fp32";
   // Data-parallel: every rank trains on its shard of each global batch of batch_size * world.
   std::optional<apex::parallel::ProcessGroup> pg;
+  if (o.ddp && o.device.is_cuda()) {
+    // This rank's GPU as the current device: NCCL's barrier and any unplaced CUDA work go there,
+    // not to GPU 0.
+    c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(o.device);
+  }
   if (o.ddp) {
     pg = apex::parallel::init_process_group(
         apex::parallel::ProcessGroupOptions().device(o.device).timeout(std::chrono::minutes(5)));
@@ -614,6 +621,7 @@ Summary train(const TrainOptions& o, const Split& data) {
   const auto t0 = Clock::now();
   double train_seconds = 0;
   double timed_seconds = 0;  // from step start + untimed on (samples_per_s)
+  int64_t timed_steps = 0;
   const int64_t untimed = std::clamp<int64_t>(o.untimed_steps, 0, total - start - 1);
   // The window's loss stays on the device until it is logged: no host sync per micro-batch.
   at::Tensor window_loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(o.device));
@@ -664,7 +672,10 @@ Summary train(const TrainOptions& o, const Split& data) {
       ++window_steps;
       const double step_seconds = seconds_since(step_t0);
       train_seconds += step_seconds;
-      if (step - start >= untimed) timed_seconds += step_seconds;
+      if (step - start >= untimed) {
+        timed_seconds += step_seconds;
+        ++timed_steps;
+      }
       if (ampp != nullptr) {
         const int64_t skipped = ampp->skipped_steps();
         skipped_in_a_row = skipped > skipped_before ? skipped_in_a_row + 1 : 0;
@@ -713,7 +724,8 @@ Summary train(const TrainOptions& o, const Split& data) {
         // waiting at the barrier below).
         double finite = std::isfinite(window_loss.item<double>()) ? 1.0 : 0.0;
         if (pg) {
-          at::Tensor all = at::full({1}, finite, at::kDouble);
+          // On the training device: an NCCL group reduces CPU tensors only where Gloo is built.
+          at::Tensor all = at::full({1}, finite, at::TensorOptions(at::kDouble).device(o.device));
           pg->all_reduce_(all);
           finite = all.item<double>() == static_cast<double>(world) ? 1.0 : 0.0;
         }
@@ -748,8 +760,7 @@ Summary train(const TrainOptions& o, const Split& data) {
   s.steps = total - start;
   s.samples = s.steps * per_step;
   s.train_seconds = train_seconds;
-  s.samples_per_s =
-      static_cast<double>((s.steps - untimed) * per_step) / std::max(1e-9, timed_seconds);
+  s.samples_per_s = static_cast<double>(timed_steps * per_step) / std::max(1e-9, timed_seconds);
   s.test_loss = e.loss;
   s.test_accuracy = e.accuracy;
   s.skipped_steps = ampp ? ampp->skipped_steps() : 0;

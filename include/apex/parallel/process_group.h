@@ -51,7 +51,8 @@ struct ProcessGroupOptions {
   /// tensors of the same group go through Gloo where it is built.
   TORCH_ARG(c10::Device, device) = c10::kCPU;
   /// Longest wait for the rendezvous and for any one collective: a dead or missing rank makes the
-  /// others fail after this, never hang. torch's default is 30 minutes.
+  /// others fail after this, never hang. torch's default is 30 minutes. (With NCCL a collective
+  /// does not block the host: NCCL's watchdog aborts the process after the timeout instead.)
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
 };
 
