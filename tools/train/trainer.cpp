@@ -16,6 +16,8 @@
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
@@ -548,7 +550,31 @@ void check_outputs(const TrainOptions& o) {
   }
 }
 
+// glibc serves the activation-sized tensors of every step with mmap and unmaps them on free, so
+// each step page-faults its outputs in again: 12 % of a transformer step here (kernel page-fault
+// and unmap time in perf), against 3 % in the same model under Python, where glibc's adaptive
+// threshold had settled higher. A fixed threshold of 64 MiB and trimming only beyond 128 MiB keep
+// freed memory for reuse: +5-8 % samples/s and a lower peak (650 against 726 MiB; 256/512 MiB
+// gave 794), docs/perf-notes.md. A user's own malloc settings (GLIBC_TUNABLES, MALLOC_*_) win.
+static void keep_freed_memory() {
+#ifdef __GLIBC__
+  static const bool once = [] {
+    const char* tunables = std::getenv("GLIBC_TUNABLES");
+    if ((tunables != nullptr && std::strstr(tunables, "malloc") != nullptr) ||
+        std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||
+        std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr) {
+      return false;
+    }
+    mallopt(M_MMAP_THRESHOLD, 64 << 20);
+    mallopt(M_TRIM_THRESHOLD, 128 << 20);
+    return true;
+  }();
+  (void)once;
+#endif
+}
+
 Summary train(const TrainOptions& o, const Split& data) {
+  keep_freed_memory();
   check_device(o);
   check_fits(o);
   check_outputs(o);
