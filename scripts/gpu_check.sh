@@ -30,6 +30,11 @@ timeout 120 build-gpu/tools/apex-train --device cuda --steps 100 --no-progress 2
 echo; echo "== apex-train --device cuda --nproc 1 (DDP over NCCL, O2) =="
 timeout 120 build-gpu/tools/apex-train --device cuda --nproc 1 --opt-level O2 --steps 60 \
   --no-progress 2>&1 | tee "$OUT/train-ddp-cuda.txt" | tail -4
+echo; echo "== Python package on CUDA (pip install ./python, python/tests/test_devices.py) =="
+( CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 400 "$PY" -m pip install -q --no-build-isolation --no-deps \
+    ./python >"$OUT/pip-install.log" 2>&1 || { tail -20 "$OUT/pip-install.log"; exit 1; }
+  timeout 300 "$PY" -m pytest -q -p no:cacheprovider python/tests/test_devices.py -rs 2>&1 |
+    tee "$OUT/pytest-devices.txt" | tail -8 )
 if command -v compute-sanitizer >/dev/null; then
   echo; echo "== compute-sanitizer (memcheck, racecheck) on one norm case =="
   for tool in memcheck racecheck; do

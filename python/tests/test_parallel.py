@@ -31,6 +31,10 @@ def _worker(rank, world, port, out, fn, args):
     torch.set_num_threads(1)
     try:
         torch.save(fn(rank, world, *args), os.path.join(out, f"{rank}.pt"))
+        # Every rank done before any tears its group down: a rank that closed its Gloo pairs
+        # while the other's last collective was still in flight made that one abort in
+        # std::terminate (seen once in ~10 CI runs).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
