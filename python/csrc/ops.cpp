@@ -267,13 +267,13 @@ void multi_tensor_lamb(const Tensor& noop, const TensorList& g, const TensorList
   args.lr = static_cast<float>(lr);
   args.beta1 = static_cast<float>(beta1);
   args.beta2 = static_cast<float>(beta2);
-  args.beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.0f;
+  args.beta3 = kernels::grad_weight(beta1, grad_averaging);
   args.eps = static_cast<float>(eps);
   args.weight_decay = static_cast<float>(weight_decay);
   args.bias_correction1 =
-      bias_correction ? static_cast<float>(1.0 - std::pow(beta1, static_cast<double>(step))) : 1.0f;
+      static_cast<float>(kernels::bias_correction(beta1, step, bias_correction));
   args.bias_correction2 =
-      bias_correction ? static_cast<float>(1.0 - std::pow(beta2, static_cast<double>(step))) : 1.0f;
+      static_cast<float>(kernels::bias_correction(beta2, step, bias_correction));
   args.adam_w_mode = adam_w_mode;
   args.use_nvlamb = use_nvlamb;
   args.max_grad_norm = static_cast<float>(max_grad_norm);
@@ -306,15 +306,13 @@ void multi_tensor_novograd(const Tensor& noop, const TensorList& g, const Tensor
   kernels::NovoGradArgs args;
   args.lr = static_cast<float>(lr);
   args.beta1 = static_cast<float>(beta1);
-  args.beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.0f;
+  args.beta3 = kernels::grad_weight(beta1, grad_averaging);
   args.eps = static_cast<float>(eps);
   args.weight_decay = static_cast<float>(weight_decay);
   args.bias_correction1 =
-      bias_correction ? static_cast<float>(1.0 - std::pow(beta1, static_cast<double>(step))) : 1.0f;
+      static_cast<float>(kernels::bias_correction(beta1, step, bias_correction));
   args.bias_correction2 =
-      bias_correction
-          ? static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))))
-          : 1.0f;
+      static_cast<float>(std::sqrt(kernels::bias_correction(beta2, step, bias_correction)));
   args.reg_inside_moment = reg_inside_moment;
   args.v = vf.data_ptr<float>();
   args.amp.inv_scale = optional_scalar(inv_scale, device, who, "inv_scale");

@@ -7,6 +7,7 @@
 // storage dtype; moments and other optimizer state are always fp32.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 namespace apex::kernels {
@@ -166,6 +167,17 @@ struct NovoGradArgs {
   const float* v = nullptr;  ///< kernel memory, [num_tensors]
   AmpArgs amp;
 };
+
+/// The scalars LAMB and NovoGrad derive from their hyperparameters, computed in double and rounded
+/// once by the caller; one definition for both front doors (src/optim and the Python ops).
+/// 1 - beta^step: the bias correction of a moment after `step` steps, or 1 when it is off.
+inline double bias_correction(double beta, int64_t step, bool on) {
+  return on ? 1.0 - std::pow(beta, static_cast<double>(step)) : 1.0;
+}
+/// beta3, the gradient's weight in the first moment: 1 - beta1 with grad averaging, else 1.
+inline float grad_weight(double beta1, bool grad_averaging) {
+  return grad_averaging ? static_cast<float>(1.0 - beta1) : 1.0f;
+}
 
 /// Every multi-tensor kernel with its arguments: X(name, Args). Each backend has one function per
 /// entry, declared from this list (cpu: name(lists, args); cuda: name(lists, args, stream)), and

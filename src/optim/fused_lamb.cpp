@@ -126,15 +126,13 @@ void FusedLAMB::fused_step(const GradScaling& scaling) {
     args.lr = static_cast<float>(o.lr());
     args.beta1 = static_cast<float>(b1);
     args.beta2 = static_cast<float>(b2);
-    args.beta3 = o.grad_averaging() ? static_cast<float>(1.0 - b1) : 1.0f;
+    args.beta3 = kernels::grad_weight(b1, o.grad_averaging());
     args.eps = static_cast<float>(o.eps());
     args.weight_decay = static_cast<float>(o.weight_decay());
-    args.bias_correction1 = o.bias_correction()
-                                ? static_cast<float>(1.0 - std::pow(b1, static_cast<double>(step)))
-                                : 1.0f;
-    args.bias_correction2 = o.bias_correction()
-                                ? static_cast<float>(1.0 - std::pow(b2, static_cast<double>(step)))
-                                : 1.0f;
+    args.bias_correction1 =
+        static_cast<float>(kernels::bias_correction(b1, step, o.bias_correction()));
+    args.bias_correction2 =
+        static_cast<float>(kernels::bias_correction(b2, step, o.bias_correction()));
     args.adam_w_mode = o.adam_w_mode();
     args.use_nvlamb = o.use_nvlamb();
     args.max_grad_norm = static_cast<float>(o.max_grad_norm());

@@ -138,16 +138,13 @@ void FusedNovoGrad::fused_step(const GradScaling& scaling) {
       kernels::NovoGradArgs args;
       args.lr = static_cast<float>(o.lr());
       args.beta1 = static_cast<float>(b1);
-      args.beta3 = o.grad_averaging() ? static_cast<float>(1.0 - b1) : 1.0f;
+      args.beta3 = kernels::grad_weight(b1, o.grad_averaging());
       args.eps = static_cast<float>(o.eps());
       args.weight_decay = static_cast<float>(o.weight_decay());
       args.bias_correction1 =
-          o.bias_correction() ? static_cast<float>(1.0 - std::pow(b1, static_cast<double>(step)))
-                              : 1.0f;
+          static_cast<float>(kernels::bias_correction(b1, step, o.bias_correction()));
       args.bias_correction2 =
-          o.bias_correction()
-              ? static_cast<float>(std::sqrt(1.0 - std::pow(b2, static_cast<double>(step))))
-              : 1.0f;
+          static_cast<float>(std::sqrt(kernels::bias_correction(b2, step, o.bias_correction())));
       args.reg_inside_moment = o.reg_inside_moment();
       args.v = v.data_ptr<float>();
       args.amp.inv_scale = bridge::scalar_ptr(inv, device, kWho, "inv_scale");
