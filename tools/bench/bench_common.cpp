@@ -35,14 +35,11 @@ std::vector<std::vector<double>> interleaved_runs(const Config& cfg,
   return t;
 }
 
-namespace {
-
 double median(std::vector<double> v) {
+  TORCH_CHECK(!v.empty(), "apex-bench: the median of no runs");
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
-
-}  // namespace
 
 std::vector<double> interleaved_ms(const Config& cfg,
                                    const std::vector<std::function<void()>>& fns) {

@@ -75,6 +75,9 @@ struct FreshWriteStream {
   at::Tensor a_, b_, c_;
 };
 
+/// The median of `v` (the upper one of an even count); `v` must not be empty.
+double median(std::vector<double> v);
+
 /// A row from interleaved runs of {ours, peer, limit loop} (or {ours, peer}: no limit). Besides
 /// the medians it records paired statistics, taken round by round and then their median:
 /// extra["speedup"] (peer / ours) and extra["of_limit"] (our GB/s over the limit's in the same

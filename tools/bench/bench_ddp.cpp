@@ -32,11 +32,6 @@ namespace fs = std::filesystem;
 // Untimed steps before every timed run, ours and the peer's alike.
 constexpr int64_t kWarmup = 3;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
 std::string read_text(const fs::path& p) {
   std::ifstream in(p);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
@@ -148,33 +143,32 @@ int run_ddp(const Config& cfg) {
       v_py_plain.push_back(python_run(model, 0, steps));
       v_py.push_back(python_run(model, world, steps));
     }
-    struct {
-      double samples_per_s;
-    } plain{median(v_plain)}, side_by_side{median(v_side)}, one{median(v_one)};
+    const double plain = median(v_plain);
+    const double side_by_side = median(v_side);
+    const double one = median(v_one);
     // The median round of the DDP runs, with that round's Logger timings.
     std::sort(v_many.begin(), v_many.end(),
               [](const auto& a, const auto& b) { return a.samples_per_s < b.samples_per_s; });
     const apex::train::Summary many = v_many[v_many.size() / 2];
     const double py_plain = median(v_py_plain);
     const double py = median(v_py);
-    const double efficiency = many.samples_per_s / (world * plain.samples_per_s);
-    const double vs_limit = many.samples_per_s / side_by_side.samples_per_s;
+    const double efficiency = many.samples_per_s / (world * plain);
+    const double vs_limit = many.samples_per_s / side_by_side;
     const double py_efficiency = py / (world * py_plain);
-    const double cost = 1.0 - one.samples_per_s / plain.samples_per_s;
+    const double cost = 1.0 - one / plain;
     const double hidden =
         many.ddp_backward_comm_ms > 0 ? many.ddp_overlap_ms / many.ddp_backward_comm_ms : 0.0;
     std::printf(
         "%-12s %8.1f %8.1f %8.1f %7.1f%% %8.1f %6.1f%% %7.1f%% %8.1f %6.1f%% %8.1f %8.1f %6.1f%% "
         "%5.2fx\n",
-        model.c_str(), plain.samples_per_s, side_by_side.samples_per_s, one.samples_per_s,
-        100 * cost, many.samples_per_s, 100 * efficiency, 100 * vs_limit, many.ddp_backward_comm_ms,
-        100 * hidden, py_plain, py, 100 * py_efficiency, many.samples_per_s / py);
+        model.c_str(), plain, side_by_side, one, 100 * cost, many.samples_per_s, 100 * efficiency,
+        100 * vs_limit, many.ddp_backward_comm_ms, 100 * hidden, py_plain, py, 100 * py_efficiency,
+        many.samples_per_s / py);
     std::fflush(stdout);
     json << (first ? "" : ", ") << "{\"model\": \"" << model
-         << "\", \"plain_samples_per_s\": " << plain.samples_per_s
-         << ", \"ddp1_samples_per_s\": " << one.samples_per_s
+         << "\", \"plain_samples_per_s\": " << plain << ", \"ddp1_samples_per_s\": " << one
          << ", \"ddp_samples_per_s\": " << many.samples_per_s
-         << ", \"independent_samples_per_s\": " << side_by_side.samples_per_s
+         << ", \"independent_samples_per_s\": " << side_by_side
          << ", \"weak_scaling_efficiency\": " << efficiency << ", \"vs_limit\": " << vs_limit
          << ", \"ddp1_cost\": " << cost << ", \"peer_plain_samples_per_s\": " << py_plain
          << ", \"peer_weak_scaling_efficiency\": " << py_efficiency
