@@ -16,6 +16,12 @@
 #include <sstream>
 #include <string>
 
+/// At the top of a CUDA test: skips it, saying why, where torch sees no GPU.
+#define APEX_REQUIRE_CUDA()                                                  \
+  if (!torch::cuda::is_available()) {                                        \
+    GTEST_SKIP() << "no CUDA device (torch::cuda::is_available() is false)"; \
+  }
+
 namespace apex::test {
 
 struct Tolerance {

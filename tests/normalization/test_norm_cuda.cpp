@@ -11,11 +11,6 @@ namespace {
 using apex::normalization::fused_layer_norm;
 using apex::normalization::fused_rms_norm;
 
-#define APEX_REQUIRE_CUDA()                                                  \
-  if (!torch::cuda::is_available()) {                                        \
-    GTEST_SKIP() << "no CUDA device (torch::cuda::is_available() is false)"; \
-  }
-
 struct NormRun {
   at::Tensor y, dx, dw, db;
 };

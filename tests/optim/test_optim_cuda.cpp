@@ -11,11 +11,6 @@ namespace {
 
 using namespace apex::optim;
 
-#define APEX_REQUIRE_CUDA()                                                  \
-  if (!torch::cuda::is_available()) {                                        \
-    GTEST_SKIP() << "no CUDA device (torch::cuda::is_available() is false)"; \
-  }
-
 std::vector<at::Tensor> to_cuda(const std::vector<at::Tensor>& v) {
   std::vector<at::Tensor> out;
   for (const auto& t : v) {

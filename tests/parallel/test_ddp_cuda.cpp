@@ -14,11 +14,6 @@ namespace ap = apex::parallel;
 
 namespace {
 
-#define APEX_REQUIRE_CUDA()                                                  \
-  if (!torch::cuda::is_available()) {                                        \
-    GTEST_SKIP() << "no CUDA device (torch::cuda::is_available() is false)"; \
-  }
-
 const c10::Device kGpu(c10::kCUDA, 0);
 
 torch::nn::Sequential mlp() {
