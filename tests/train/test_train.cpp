@@ -488,6 +488,29 @@ TEST_F(TrainFiles, TorchrunAndNprocTrainAlike) {
   EXPECT_NE(sa.find("\"world_size\": 2"), std::string::npos) << sa;
 }
 
+// --bucket-cap-mb reaches DDP (tiny buckets: one per parameter, all-reduced while backward runs)
+// and changes no result: two ranks' sums are exact in any bucket layout.
+TEST_F(TrainFiles, SmallBucketsTrainAlike) {
+  const std::string common = std::string(APEX_TRAIN_EXE) +
+                             " --no-progress --model mlp --opt-level O2 --nproc 2 --steps 6 "
+                             "--log-every 2 --batch-size 8 --train-size 256 --test-size 64 "
+                             "--threads 1 --metrics ";
+  const Proc a = run(common + path("default.jsonl"));
+  ASSERT_EQ(a.status, 0) << a.out;
+  const Proc b = run(common + path("small.jsonl") + " --bucket-cap-mb 0.0001");
+  ASSERT_EQ(b.status, 0) << b.out;
+  std::istringstream ia(step_lines(path("default.jsonl"))), ib(step_lines(path("small.jsonl")));
+  int records = 0;
+  for (std::string x, y; std::getline(ia, x) && std::getline(ib, y); ++records) {
+    EXPECT_EQ(apex::train::json::get_number(x, "loss"), apex::train::json::get_number(y, "loss"));
+  }
+  EXPECT_EQ(records, 3);
+  // The mlp's 6 parameters: one bucket by default; with 100-byte buckets each parameter closes
+  // one, but a small bias shares the next one's.
+  EXPECT_EQ(apex::train::summary_from_json(read_text(path("default.jsonl"))).ddp_buckets, 1);
+  EXPECT_GE(apex::train::summary_from_json(read_text(path("small.jsonl"))).ddp_buckets, 4);
+}
+
 // A data-parallel run's checkpoint (written by rank 0) resumes in one process, and a run of one
 // resumes in two: checkpoints hold the bare model, whatever the world size.
 TEST_F(TrainFiles, CheckpointsResumeOnAnotherWorldSize) {
@@ -539,6 +562,11 @@ TEST_F(TrainFiles, DistributedFlagErrors) {
       {"--model mlp --ddp --nproc 2 --opt-level O0", "give either --ddp"},
       {"--model mlp --nproc 0 --opt-level O0", "--nproc expects an integer in [1, 64]"},
       {"--model mlp --nproc 65 --opt-level O0", "--nproc expects an integer in [1, 64]"},
+      {"--model mlp --bucket-cap-mb 1 --opt-level O0", "--bucket-cap-mb needs --ddp"},
+      {"--model mlp --nproc 2 --bucket-cap-mb 0 --opt-level O0",
+       "--bucket-cap-mb expects a number in [1e-06, 1e+06], got '0'"},
+      {"--model mlp --nproc 2 --bucket-cap-mb nan --opt-level O0",
+       "--bucket-cap-mb expects a number"},
   };
   for (const auto& [args, message] : cases) {
     const Proc p = run(std::string(APEX_TRAIN_EXE) + " --no-progress " + args);

@@ -40,7 +40,7 @@ std::string read_text(const fs::path& p) {
 // apex-train's run of `model` in `world` ranks (0: no DDP), rank 0's summary. With `independent`
 // > 0: that many plain processes at once, no DDP (the machine's limit for weak scaling: what
 // `independent` single-rank jobs achieve side by side); their samples/s summed.
-apex::train::Summary apex_run(const std::string& model, int world, int64_t steps,
+apex::train::Summary apex_run(const std::string& model, double bucket_mb, int world, int64_t steps,
                               const fs::path& work, int independent = 0) {
   const fs::path out = work / ("apex-" + model + "-" + std::to_string(world) + ".json");
   const int ranks = independent > 0 ? independent : std::max(1, world);
@@ -58,9 +58,10 @@ apex::train::Summary apex_run(const std::string& model, int world, int64_t steps
         setenv("MASTER_PORT", port.c_str(), 1);
       }
       const std::string s = std::to_string(steps);
+      const std::string b = std::to_string(bucket_mb);
       const std::string o = independent > 0 ? out.string() + "." + std::to_string(r) : out.string();
       execl("/proc/self/exe", "apex-bench", "ddp-rank", model.c_str(), s.c_str(),
-            world > 0 ? "ddp" : "plain", o.c_str(), static_cast<char*>(nullptr));
+            world > 0 ? "ddp" : "plain", b.c_str(), o.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }
     pids.push_back(pid);
@@ -82,18 +83,19 @@ apex::train::Summary apex_run(const std::string& model, int world, int64_t steps
   return sum;
 }
 
-double python_run(const std::string& model, int world, int64_t steps) {
+double python_run(const std::string& model, double bucket_mb, int world, int64_t steps) {
   const std::string cmd = std::string(APEX_PYTHON) + " " + APEX_SOURCE_DIR +
                           "/tools/bench/ddp_peer.py --model " + model + " --world " +
                           std::to_string(world) + " --steps " + std::to_string(steps) +
-                          " --warmup " + std::to_string(kWarmup) + " --threads 1";
+                          " --warmup " + std::to_string(kWarmup) + " --threads 1" +
+                          (bucket_mb > 0 ? " --bucket-cap-mb " + std::to_string(bucket_mb) : "");
   return apex::train::json::get_number(run_peer(cmd), "samples_per_s");
 }
 
 }  // namespace
 
 int run_ddp_rank(int argc, char** argv) {
-  TORCH_CHECK(argc == 6, "apex-bench ddp-rank: internal use (model steps ddp|plain out)");
+  TORCH_CHECK(argc == 7, "apex-bench ddp-rank: internal use (model steps ddp|plain bucket_mb out)");
   const std::string model = argv[2];
   // kWarmup untimed steps first, as the Python peer's (ddp_peer.py --warmup).
   const std::string total = std::to_string(std::stoll(argv[3]) + kWarmup);
@@ -102,10 +104,11 @@ int run_ddp_rank(int argc, char** argv) {
        "--log-every", total, "--optimizer", "fused-adam"});
   cli.train.ddp = std::string(argv[4]) == "ddp";
   cli.train.untimed_steps = kWarmup;
+  cli.train.bucket_cap_mb = std::stod(argv[5]);
   const auto data = apex::train::load_data(cli.train);
   const auto s = apex::train::train(cli.train, data);
   if (s.rank == 0) {
-    std::ofstream(argv[5]) << apex::train::to_json(s) << "\n";
+    std::ofstream(argv[6]) << apex::train::to_json(s) << "\n";
   }
   return 0;
 }
@@ -125,23 +128,33 @@ int run_ddp(const Config& cfg) {
       "%d ranks x 1 thread against 1 x 1, fp32, per-rank batch 64 (weak scaling); medians of %d "
       "rounds, %lld untimed steps first\n",
       world, std::clamp(cfg.repeats, 1, 5), static_cast<long long>(kWarmup));
-  std::printf("%-12s %8s %8s %9s %8s %8s %7s %8s %8s %7s %8s %8s %7s %6s\n", "model", "1x1",
+  std::printf("%-14s %8s %8s %9s %8s %8s %7s %8s %8s %7s %8s %8s %7s %6s\n", "model", "1x1",
               "Nx1 indep", "ddp1", "ddp1 cost", "ddpN", "effic.", "vs limit", "comm ms", "hidden",
               "py 1x1", "py ddpN", "py eff", "vs py");
-  for (const std::string model : {"transformer", "resnet"}) {
+  // The resnet twice: its 0.3 MB of gradients fill one default bucket, which can only start when
+  // backward ends; with 0.1 MiB buckets (--bucket-cap-mb 0.1, the peer's bucket_cap_mb alike) the
+  // all-reduce of the last layers runs while the first ones still compute.
+  struct Row {
+    std::string model;
+    double bucket_mb;  // 0: DDP's defaults
+  };
+  for (const Row& row : {Row{"transformer", 0}, Row{"resnet", 0}, Row{"resnet", 0.1}}) {
+    const std::string& model = row.model;
     if (!selected(cfg, model)) continue;
+    const std::string label = row.bucket_mb > 0 ? model + "/0.1MiB" : model;
     const int64_t steps = model == "transformer" ? 16 : 30;
     // Rounds of every configuration in turn (drift on a shared VM hits them alike), medians.
     const int rounds = std::clamp(cfg.repeats, 1, 5);
     std::vector<double> v_plain, v_side, v_one, v_py_plain, v_py;
     std::vector<apex::train::Summary> v_many;
     for (int round = 0; round < rounds; ++round) {
-      v_plain.push_back(apex_run(model, 0, steps, work).samples_per_s);
-      v_side.push_back(apex_run(model, 0, steps, work, world).samples_per_s);
-      v_one.push_back(apex_run(model, 1, steps, work).samples_per_s);
-      v_many.push_back(apex_run(model, world, steps, work));
-      v_py_plain.push_back(python_run(model, 0, steps));
-      v_py.push_back(python_run(model, world, steps));
+      const double b = row.bucket_mb;
+      v_plain.push_back(apex_run(model, b, 0, steps, work).samples_per_s);
+      v_side.push_back(apex_run(model, b, 0, steps, work, world).samples_per_s);
+      v_one.push_back(apex_run(model, b, 1, steps, work).samples_per_s);
+      v_many.push_back(apex_run(model, b, world, steps, work));
+      v_py_plain.push_back(python_run(model, b, 0, steps));
+      v_py.push_back(python_run(model, b, world, steps));
     }
     const double plain = median(v_plain);
     const double side_by_side = median(v_side);
@@ -159,15 +172,15 @@ int run_ddp(const Config& cfg) {
     const double hidden =
         many.ddp_backward_comm_ms > 0 ? many.ddp_overlap_ms / many.ddp_backward_comm_ms : 0.0;
     std::printf(
-        "%-12s %8.1f %8.1f %8.1f %7.1f%% %8.1f %6.1f%% %7.1f%% %8.1f %6.1f%% %8.1f %8.1f %6.1f%% "
+        "%-14s %8.1f %8.1f %8.1f %7.1f%% %8.1f %6.1f%% %7.1f%% %8.1f %6.1f%% %8.1f %8.1f %6.1f%% "
         "%5.2fx\n",
-        model.c_str(), plain, side_by_side, one, 100 * cost, many.samples_per_s, 100 * efficiency,
+        label.c_str(), plain, side_by_side, one, 100 * cost, many.samples_per_s, 100 * efficiency,
         100 * vs_limit, many.ddp_backward_comm_ms, 100 * hidden, py_plain, py, 100 * py_efficiency,
         many.samples_per_s / py);
     std::fflush(stdout);
     json << (first ? "" : ", ") << "{\"model\": \"" << model
-         << "\", \"plain_samples_per_s\": " << plain << ", \"ddp1_samples_per_s\": " << one
-         << ", \"ddp_samples_per_s\": " << many.samples_per_s
+         << "\", \"bucket_cap_mb\": " << row.bucket_mb << ", \"plain_samples_per_s\": " << plain
+         << ", \"ddp1_samples_per_s\": " << one << ", \"ddp_samples_per_s\": " << many.samples_per_s
          << ", \"independent_samples_per_s\": " << side_by_side
          << ", \"weak_scaling_efficiency\": " << efficiency << ", \"vs_limit\": " << vs_limit
          << ", \"ddp1_cost\": " << cost << ", \"peer_plain_samples_per_s\": " << py_plain

@@ -32,7 +32,8 @@ def run(rank, a, init_file, out):
     torch.manual_seed(0)
     model, make, classes = model_and_inputs(a.model, a.batch_size)
     if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        # An explicit bucket_cap_mb sizes the first bucket too (torch 2.13); None: 25 MiB, first 1.
+        model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=a.bucket_cap_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
     g = torch.Generator().manual_seed(1 + rank)
     batches = [(make(g), torch.randint(0, classes, (a.batch_size,), generator=g)) for _ in range(8)]
@@ -69,6 +70,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's (default: its own)")
     a = p.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with tempfile.TemporaryDirectory() as d:

@@ -151,6 +151,9 @@ distributed (Gloo over TCP; docs/distributed.md)
                         batch (--batch-size is per rank), gradients averaged by DDP
   --nproc N             start N local ranks itself (on 127.0.0.1) and train with --ddp
   --sync-bn             resnet: BatchNorm statistics over every rank's batch (SyncBatchNorm)
+  --bucket-cap-mb X     DDP's gradient bucket size in MiB, the first bucket's too, as Python
+                        DDP's bucket_cap_mb (default 25, first bucket 1): small buckets let a
+                        small model's all-reduce start while backward still runs
   --help
 )";
 }
@@ -161,6 +164,7 @@ Cli parse_cli(const std::vector<std::string>& args) {
   TrainOptions& o = cli.train;
   bool level_set = false;
   bool half_set = false;
+  bool bucket_set = false;
   static const std::set<std::string> kPerLevel = {"--compare", "--opt-level",  "--plot",
                                                   "--metrics", "--checkpoint", "--summary-out"};
   for (size_t i = 0; i < args.size(); ++i) {
@@ -286,6 +290,9 @@ Cli parse_cli(const std::vector<std::string>& args) {
       o.stop_after = to_int(flag, v, 1, kMaxSteps);
     } else if (flag == "--summary-out") {
       cli.summary_out = v;
+    } else if (flag == "--bucket-cap-mb") {
+      o.bucket_cap_mb = to_double(flag, v, 1e-6, 1e6);
+      bucket_set = true;
     } else if (flag == "--nproc") {
       cli.nproc = to_int(flag, v, 1, 64);
     } else {
@@ -324,6 +331,8 @@ Cli parse_cli(const std::vector<std::string>& args) {
   TORCH_CHECK(o.batch_size * o.accumulate <= kMaxBatch, "apex-train: --batch-size ", o.batch_size,
               " x --accumulate ", o.accumulate, " = ", o.batch_size * o.accumulate,
               " samples per step, more than ", kMaxBatch, " (lower one of them)");
+  TORCH_CHECK(!bucket_set || o.ddp || cli.nproc > 0,
+              "apex-train: --bucket-cap-mb needs --ddp (under torchrun) or --nproc N");
   TORCH_CHECK(!o.sync_bn || o.ddp || cli.nproc > 0,
               "apex-train: --sync-bn needs --ddp (under torchrun) or --nproc N");
   TORCH_CHECK(!(o.ddp && cli.nproc > 0),

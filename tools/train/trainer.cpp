@@ -619,7 +619,12 @@ Summary train(const TrainOptions& o, const Split& data) {
   // After initialize (DDP reduces the gradients of the parameters as amp cast them).
   using Ddp = apex::parallel::DistributedDataParallel<std::shared_ptr<Classifier>>;
   std::optional<Ddp> ddp;
-  if (pg) ddp.emplace(model, apex::parallel::DistributedDataParallelOptions(), *pg);
+  if (pg) {
+    apex::parallel::DistributedDataParallelOptions ddp_options;
+    if (o.bucket_cap_mb > 0)
+      ddp_options.bucket_cap_mb(o.bucket_cap_mb).first_bucket_mb(o.bucket_cap_mb);
+    ddp.emplace(model, ddp_options, *pg);
+  }
   const auto forward = [&](const at::Tensor& x) {
     if (ddp) return ampp ? ampp->forward(*ddp, x) : (*ddp)->forward(x);
     return ampp ? ampp->forward(model, x) : model->forward(x);
@@ -782,6 +787,7 @@ Summary train(const TrainOptions& o, const Split& data) {
     s.ddp_backward_compute_ms = static_cast<double>(t.backward_compute_ns) / 1e6;
     s.ddp_backward_comm_ms = static_cast<double>(t.backward_comm_ns) / 1e6;
     s.ddp_overlap_ms = static_cast<double>(t.backward_compute_comm_overlap_ns) / 1e6;
+    s.ddp_buckets = static_cast<int64_t>((*ddp)->engine().bucket_indices().size());
   }
   s.steps = total - start;
   s.samples = s.steps * per_step;
@@ -816,7 +822,8 @@ std::string to_json(const Summary& s) {
       << ", \"peak_rss_mb\": " << json::num(s.peak_rss_mb) << ", \"world_size\": " << s.world_size
       << ", \"ddp_backward_compute_ms\": " << json::num(s.ddp_backward_compute_ms)
       << ", \"ddp_backward_comm_ms\": " << json::num(s.ddp_backward_comm_ms)
-      << ", \"ddp_overlap_ms\": " << json::num(s.ddp_overlap_ms) << "}";
+      << ", \"ddp_overlap_ms\": " << json::num(s.ddp_overlap_ms)
+      << ", \"ddp_buckets\": " << s.ddp_buckets << "}";
   return out.str();
 }
 
@@ -838,6 +845,7 @@ Summary summary_from_json(const std::string& line) {
   s.ddp_backward_compute_ms = json::get_number(line, "ddp_backward_compute_ms");
   s.ddp_backward_comm_ms = json::get_number(line, "ddp_backward_comm_ms");
   s.ddp_overlap_ms = json::get_number(line, "ddp_overlap_ms");
+  s.ddp_buckets = static_cast<int64_t>(json::get_number(line, "ddp_buckets"));
   return s;
 }
 

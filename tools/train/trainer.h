@@ -59,6 +59,9 @@ struct TrainOptions {
   bool progress = true;    ///< progress bar on a terminal, lines otherwise
   bool ddp = false;        ///< data-parallel in the environment's process group (torchrun's)
   bool sync_bn = false;    ///< resnet: SyncBatchNorm instead of BatchNorm (needs ddp)
+  /// DDP's bucket size in MiB, the first bucket's too, as Python DDP's bucket_cap_mb (0: the
+  /// defaults, 25 MiB and a first bucket of 1 MiB).
+  double bucket_cap_mb = 0;
 };
 
 /// One logged step.
@@ -91,6 +94,7 @@ struct Summary {
   double ddp_backward_compute_ms = 0;
   double ddp_backward_comm_ms = 0;
   double ddp_overlap_ms = 0;
+  int64_t ddp_buckets = 0;  ///< DDP runs: gradient buckets (after the first step's rebuild)
   std::vector<StepRecord> curve;
 };
 
