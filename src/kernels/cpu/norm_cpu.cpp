@@ -112,16 +112,18 @@ const float* filled(int64_t n, float v, Slot slot) {
 }
 
 // Fixed blocks of backward rows, each with its own fp64 dw/db sums: at most kMaxBlocks (enough
-// to balance the threads), with kMinBlockRows rows or more each, because every block costs a
-// few passes over [cols] of its own (its partials and sums, and its share of the final
-// combination). But at least two blocks from two rows on, so that a few wide rows still use two
-// threads. A function of the rows only: the sums do
-// not depend on the thread count.
+// to balance the threads), with kMinBlockRows rows and kMinBlockElements elements or more each,
+// because every block costs a few passes over [cols] of its own (its partials and sums, and its
+// share of the final combination): 16 blocks of 8 rows made 128 x 768 spend a fifth of its
+// backward there. But at least two blocks from two rows on, so that a few wide rows still use
+// two threads. A function of the shape only: the sums do not depend on the thread count.
 constexpr int64_t kMaxBlocks = 32;
 constexpr int64_t kMinBlockRows = 8;
+constexpr int64_t kMinBlockElements = 16384;
 
-int64_t backward_blocks(int64_t rows) {
-  const int64_t by_rows = std::min((rows + kMinBlockRows - 1) / kMinBlockRows, kMaxBlocks);
+int64_t backward_blocks(int64_t rows, int64_t cols) {
+  const int64_t min_rows = std::max(kMinBlockRows, (kMinBlockElements + cols - 1) / cols);
+  const int64_t by_rows = std::min((rows + min_rows - 1) / min_rows, kMaxBlocks);
   return std::max({by_rows, std::min<int64_t>(rows, 2), int64_t{1}});
 }
 
@@ -194,7 +196,7 @@ void norm_backward(const NormBackwardArgs& a) {
   // Fixed blocks of rows, each with its own fp64 sums of dw/db (the row kernels add fp32
   // partials over groups of rows into them), combined in order at the end: the result does not
   // depend on the thread count.
-  const int64_t blocks = backward_blocks(a.rows);
+  const int64_t blocks = backward_blocks(a.rows, a.cols);
   const int64_t per_block = (a.rows + blocks - 1) / blocks;
   const int64_t used = (a.rows + per_block - 1) / per_block;  // blocks with rows (<= blocks)
   const int64_t cols = a.cols;
@@ -220,13 +222,18 @@ void norm_backward(const NormBackwardArgs& a) {
   });
   if (!want) return;
   // The blocks' sums in block order, per column (contiguous along the columns), rounded once
-  // to fp32 and written in the parameters' dtype.
+  // to fp32 and written in the parameters' dtype. Split by columns once there are a few thousand
+  // sums to add (32 x 4096 spent a tenth of its backward here on one thread while the other
+  // waited); a multiple of 256 columns per task, as the tiles below.
   const int64_t elem = dtype_size(a.dwb_dtype);
-  at::parallel_for(0, cols, 4096, [&](int64_t c0, int64_t c1) {
-    for (int64_t blk = 1; blk < used; ++blk) {
-      for (int64_t c = c0; c < c1; ++c) {
-        dw_sum[c] += dw_sum[blk * sum_stride + c];
-        db_sum[c] += db_sum[blk * sum_stride + c];
+  const int64_t combine_grain = std::max<int64_t>(256, kGrainElements / (2 * used) / 256 * 256);
+  at::parallel_for(0, cols, combine_grain, [&](int64_t c0, int64_t c1) {
+    for (double* const sum : {dw_sum, db_sum}) {
+      // Block 0's sums and a later block's never overlap (restrict: the loop vectorizes).
+      double* __restrict to = sum;
+      for (int64_t blk = 1; blk < used; ++blk) {
+        const double* __restrict from = sum + blk * sum_stride;
+        for (int64_t c = c0; c < c1; ++c) to[c] += from[c];
       }
     }
     float tile[256];
