@@ -75,6 +75,12 @@ def _norm_fwd_fake(input, normalized_shape, weight, bias, eps, rms, mixed, memor
     return y, mean, rstd
 
 
+@torch.library.register_fake("apex_cpp::fused_norm")
+def _norm_fake(input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient):
+    out_dtype = weight.dtype if mixed else input.dtype
+    return torch.empty(input.shape, dtype=out_dtype, device=input.device)
+
+
 @torch.library.register_fake("apex_cpp::fused_norm_bwd")
 def _norm_bwd_fake(grad_out, saved, mean, rstd, weight, bias, normalized_shape, eps, rms, mixed,
                    memory_efficient, input_dtype, output_mask):

@@ -6,6 +6,7 @@
 // integer or float dtype; scale, axpby and the norms set it to 1 on a non-finite value; sgd and the
 // capturable adam skip the step when it is set; plain adam, adagrad, lamb and novograd ignore it.
 #include <ATen/TensorOperators.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/clamp_min.h>
 #include <ATen/ops/empty.h>
@@ -454,12 +455,86 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
   }
 };
 
+// Whether a call is plain eager work on CPU or CUDA tensors: no tensor subclass or mode of
+// Python's (fake tensors, torch_dispatch modes), no functionalization or functorch transform,
+// which must see the forward and backward ops through the dispatcher.
+bool eager_call(const Tensor& input, const std::optional<Tensor>& weight,
+                const std::optional<Tensor>& bias) {
+  constexpr c10::DispatchKeySet kTraced(
+      {c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+       c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchGradWrapper,
+       c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
+       c10::DispatchKey::FuncTorchDynamicLayerBackMode});
+  if (c10::impl::tls_local_dispatch_key_set().included_.has_any(kTraced)) return false;
+  const auto plain = [&](const Tensor& t) {
+    return !t.key_set().has_any(kTraced) && (t.is_cpu() || t.is_cuda());
+  };
+  return plain(input) && (!weight.has_value() || plain(*weight)) &&
+         (!bias.has_value() || plain(*bias));
+}
+
+// Eager calls take the C++ library's autograd route (its own node, the kernels called directly:
+// about 10 us less per forward + backward from Python than a torch::autograd::Function around
+// the dispatcher, docs/benchmarks.md); traced ones the Function, whose forward and backward ops
+// reach their fake implementations.
 std::tuple<Tensor, Tensor, Tensor> fused_norm_fwd_autograd(
     const Tensor& input, at::IntArrayRef normalized_shape, const std::optional<Tensor>& weight,
     const std::optional<Tensor>& bias, double eps, bool rms, bool mixed, bool memory_efficient) {
+  if (eager_call(input, weight, bias)) {
+    auto r = normalization::ops::forward_autograd(
+        norm_who(rms), input, normalized_shape, weight.value_or(Tensor()), bias.value_or(Tensor()),
+        eps, rms, mixed, memory_efficient);
+    if (!r[1].defined()) r[1] = at::empty({0}, r[2].options());
+    return {r[0], r[1], r[2]};
+  }
   auto r = NormFunction::apply(input, normalized_shape.vec(), weight, bias, eps, rms, mixed,
                                memory_efficient);
   return {r[0], r[1], r[2]};
+}
+
+// fused_norm: the modules' and functional forms' op, y alone (fused_norm_fwd also returns the
+// statistics, for apex's autograd Functions). Below autograd (inference mode) the kernels; its
+// autograd the same two routes as fused_norm_fwd's.
+Tensor fused_norm(const Tensor& input, at::IntArrayRef normalized_shape,
+                  const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
+                  double eps, bool rms, bool mixed, bool memory_efficient) {
+  return std::get<0>(
+      fused_norm_fwd(input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient));
+}
+
+Tensor fused_norm_autograd(const Tensor& input, at::IntArrayRef normalized_shape,
+                           const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
+                           double eps, bool rms, bool mixed, bool memory_efficient) {
+  if (eager_call(input, weight, bias)) {
+    return normalization::ops::forward_autograd(norm_who(rms), input, normalized_shape,
+                                                weight.value_or(Tensor()), bias.value_or(Tensor()),
+                                                eps, rms, mixed, memory_efficient)[0];
+  }
+  return NormFunction::apply(input, normalized_shape.vec(), weight, bias, eps, rms, mixed,
+                             memory_efficient)[0];
+}
+
+// apex's rule for its fused norms under autocast: the floating-point tensors are cast to the
+// autocast dtype of their device, and the norm runs without autocast (where the functional forms
+// used to check it in Python on every call).
+template <c10::DispatchKey kAutocast, c10::DeviceType kDevice>
+Tensor fused_norm_autocast(const Tensor& input, at::IntArrayRef normalized_shape,
+                           const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
+                           double eps, bool rms, bool mixed, bool memory_efficient) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("apex_cpp::fused_norm", "")
+                             .typed<decltype(fused_norm)>();
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocast);
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
+  const auto cast = [dtype](const Tensor& t) {
+    return t.is_floating_point() && t.scalar_type() != dtype ? t.to(dtype) : t;
+  };
+  const auto cast_opt = [&](const std::optional<Tensor>& t) -> std::optional<Tensor> {
+    if (!t.has_value()) return std::nullopt;
+    return cast(*t);
+  };
+  return op.call(cast(input), normalized_shape, cast_opt(weight), cast_opt(bias), eps, rms, mixed,
+                 memory_efficient);
 }
 
 // ---- batch norm (SyncBatchNorm's per-rank pieces, CPU) ------------------------------------------
@@ -551,6 +626,9 @@ TORCH_LIBRARY(apex_cpp, m) {
       "fused_norm_fwd(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, "
       "float eps, bool rms, bool mixed, bool memory_efficient) -> (Tensor, Tensor, Tensor)");
   m.def(
+      "fused_norm(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
+      "bool rms, bool mixed, bool memory_efficient) -> Tensor");
+  m.def(
       "fused_norm_bwd(Tensor grad_out, Tensor saved, Tensor mean, Tensor rstd, Tensor? weight, "
       "Tensor? bias, int[] normalized_shape, float eps, bool rms, bool mixed, "
       "bool memory_efficient, ScalarType input_dtype, bool[3] output_mask) -> "
@@ -578,6 +656,7 @@ TORCH_LIBRARY(apex_cpp, m) {
   m.impl("multi_tensor_lamb", &multi_tensor_lamb);                     \
   m.impl("multi_tensor_novograd", &multi_tensor_novograd);             \
   m.impl("update_scale_hysteresis", &update_scale_hysteresis);         \
+  m.impl("fused_norm", &fused_norm);                                   \
   m.impl("fused_norm_fwd", &fused_norm_fwd);                           \
   m.impl("fused_norm_bwd", &fused_norm_bwd);
 
@@ -593,6 +672,15 @@ TORCH_LIBRARY_IMPL(apex_cpp, CUDA, m){APEX_PYTHON_IMPLS(m)}
 
 TORCH_LIBRARY_IMPL(apex_cpp, Autograd, m) {
   m.impl("fused_norm_fwd", &fused_norm_fwd_autograd);
+  m.impl("fused_norm", &fused_norm_autograd);
+}
+
+TORCH_LIBRARY_IMPL(apex_cpp, AutocastCPU, m) {
+  m.impl("fused_norm", &fused_norm_autocast<c10::DispatchKey::AutocastCPU, c10::DeviceType::CPU>);
+}
+
+TORCH_LIBRARY_IMPL(apex_cpp, AutocastCUDA, m) {
+  m.impl("fused_norm", &fused_norm_autocast<c10::DispatchKey::AutocastCUDA, c10::DeviceType::CUDA>);
 }
 
 }  // namespace apex::python

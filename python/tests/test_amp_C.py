@@ -143,6 +143,8 @@ def test_opcheck_every_op():
         for me in (False, True):
             torch.library.opcheck(ops.fused_norm_fwd, (x, [16], w, None if rms else b, 1e-5, rms,
                                                        False, me))
+            torch.library.opcheck(ops.fused_norm, (x, [16], w, None if rms else b, 1e-5, rms,
+                                                   False, me))
     y, mean, rstd = ops.fused_norm_fwd(x.detach(), [16], w.detach(), b.detach(), 1e-5, False,
                                        False, False)
     _opcheck(ops.fused_norm_bwd, (torch.randn_like(y), x.detach(), mean, rstd, w.detach(),

@@ -130,6 +130,54 @@ def test_torch_compile_traces_without_graph_breaks():
     assert model[1].weight.grad is not None
 
 
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_eager_and_traced_routes_agree(memory_efficient):
+    """Eager calls record the C++ library's autograd node (kernels called directly); traced ones
+    (torch.compile, fake tensors) the ops' own through the dispatcher. Same values and gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 32), FusedLayerNorm(32, memory_efficient=memory_efficient),
+        torch.nn.GELU(), FusedRMSNorm(32, memory_efficient=memory_efficient),
+        MixedFusedLayerNorm(32))
+    x = torch.randn(6, 32)
+    y = model(x)
+    assert y.grad_fn.name() == "FusedLayerNormBackward"  # the library's node
+    y.square().sum().backward()
+    eager = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    yc = compiled(x)
+    torch.testing.assert_close(yc, y, rtol=0, atol=0)
+    yc.square().sum().backward()
+    for p, g in zip(model.parameters(), eager):
+        torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-6)
+
+
+def test_module_autocast_casts_like_apex():
+    """The modules' op casts under autocast as apex's functional forms do: input and parameters to
+    the autocast dtype, the norm without autocast; the fp32 parameters get fp32 gradients."""
+    m = FusedLayerNorm(64)
+    x = torch.randn(4, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+    assert y.dtype == torch.bfloat16
+    ref = torch.nn.functional.layer_norm(x.detach().bfloat16(), (64,), m.weight.detach().bfloat16(),
+                                         m.bias.detach().bfloat16(), 1e-5)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    y.float().sum().backward()
+    assert m.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+    y2 = m(x)  # autocast off again: fp32
+    assert y2.dtype == torch.float32
+
+
+def test_double_backward_is_refused_clearly():
+    m = FusedLayerNorm(16)
+    x = torch.randn(4, 16, requires_grad=True)
+    (g,) = torch.autograd.grad(m(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        g.sum().backward()
+
+
 def test_bad_input_messages():
     m = FusedLayerNorm(16)
     with pytest.raises(RuntimeError, match=r"normalized_shape \[16\] does not match"):

@@ -360,8 +360,9 @@ variable_list NormBackward::apply(variable_list&& grads) {
 
 // Records the norm in the autograd graph: y's history is a NormBackward node with what the
 // backward needs saved.
-at::Tensor forward_with_graph(const at::Tensor& input, const at::Tensor& weight,
-                              const at::Tensor& bias, const Geometry& g, double eps, Flags f) {
+std::array<at::Tensor, 3> forward_with_graph(const at::Tensor& input, const at::Tensor& weight,
+                                             const at::Tensor& bias, const Geometry& g, double eps,
+                                             Flags f) {
   auto node = make_node<NormBackward>();
   node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias));
   at::Tensor x;
@@ -389,11 +390,13 @@ at::Tensor forward_with_graph(const at::Tensor& input, const at::Tensor& weight,
   }
   node->w = SavedVariable(w, false);
   node->rstd = SavedVariable(out[2], false);
-  return y;
+  return out;
 }
 
-at::Tensor run(const char* who, const at::Tensor& input, at::IntArrayRef shape,
-               const at::Tensor& weight, const at::Tensor& bias, double eps, Flags f) {
+// {y, mean, rstd}; y with a NormBackward node when a gradient is wanted.
+std::array<at::Tensor, 3> run_with_stats(const char* who, const at::Tensor& input,
+                                         at::IntArrayRef shape, const at::Tensor& weight,
+                                         const at::Tensor& bias, double eps, Flags f) {
   const Geometry g = check_inputs(who, input, shape, weight, bias, eps);
   TORCH_CHECK(!f.mixed || weight.defined(), who, ": the mixed-dtype variants need a weight");
   TORCH_CHECK(input.device().is_cpu() || input.device().is_cuda(), who,
@@ -412,9 +415,14 @@ at::Tensor run(const char* who, const at::Tensor& input, at::IntArrayRef shape,
     // saved tensors and metadata, which cost more than the kernel itself on small inputs.
     const at::Tensor w = weight.defined() ? weight.contiguous() : at::Tensor();
     const at::Tensor b = bias.defined() ? bias.contiguous() : at::Tensor();
-    return norm_forward(input.contiguous(), w, b, g, eps, f, output_dtype(input, weight, f))[0];
+    return norm_forward(input.contiguous(), w, b, g, eps, f, output_dtype(input, weight, f));
   }
   return forward_with_graph(input, weight, bias, g, eps, f);
+}
+
+at::Tensor run(const char* who, const at::Tensor& input, at::IntArrayRef shape,
+               const at::Tensor& weight, const at::Tensor& bias, double eps, Flags f) {
+  return run_with_stats(who, input, shape, weight, bias, eps, f)[0];
 }
 
 }  // namespace
@@ -431,6 +439,15 @@ std::array<at::Tensor, 3> forward(const char* who, const at::Tensor& input,
   const at::Tensor w = weight.defined() ? weight.contiguous() : at::Tensor();
   const at::Tensor b = bias.defined() ? bias.contiguous() : at::Tensor();
   return norm_forward(input.contiguous(), w, b, g, eps, f, output_dtype(input, weight, f));
+}
+
+std::array<at::Tensor, 3> forward_autograd(const char* who, const at::Tensor& input,
+                                           at::IntArrayRef normalized_shape,
+                                           const at::Tensor& weight, const at::Tensor& bias,
+                                           double eps, bool rms, bool mixed,
+                                           bool memory_efficient) {
+  return run_with_stats(who, input, normalized_shape, weight, bias, eps,
+                        {rms, mixed, memory_efficient});
 }
 
 std::array<at::Tensor, 3> backward(const char* who, const at::Tensor& grad_out,

@@ -1,7 +1,8 @@
 #pragma once
 
 // Internal: the norms' kernels without the C++ autograd node, for front doors that record
-// autograd themselves (the Python package's custom ops, whose backward is registered in Python).
+// autograd themselves (the Python package's custom ops, whose traced route records it through
+// the dispatcher), and the library's own autograd route for their eager calls.
 // Checks and dtype rules are the functional API's (apex/normalization/functional.h).
 
 #include <ATen/core/Tensor.h>
@@ -16,6 +17,15 @@ std::array<at::Tensor, 3> forward(const char* who, const at::Tensor& input,
                                   at::IntArrayRef normalized_shape, const at::Tensor& weight,
                                   const at::Tensor& bias, double eps, bool rms, bool mixed,
                                   bool memory_efficient);
+
+/// forward() with the C++ library's own autograd: y's history is its NormBackward node (the
+/// kernels called directly, no dispatcher) when GradMode is on and an input requires a gradient;
+/// the statistics carry no history. For eager CPU/CUDA tensors only: a traced call (fake or
+/// functional tensors) must take the ops through the dispatcher.
+std::array<at::Tensor, 3> forward_autograd(const char* who, const at::Tensor& input,
+                                           at::IntArrayRef normalized_shape,
+                                           const at::Tensor& weight, const at::Tensor& bias,
+                                           double eps, bool rms, bool mixed, bool memory_efficient);
 
 /// {dx, dw, db} of forward(), each only where `want` says. `saved` is the input, or the output
 /// when memory_efficient (then `bias` is needed to recompute x_hat); `input_dtype` is dx's.

@@ -1,10 +1,12 @@
 """apex's fused LayerNorm and RMSNorm on apex-cpp's kernels, on CPU and CUDA tensors.
 
 The modules, the functional forms (default eps 1e-6, as apex's) and the autograd Functions keep
-apex's names and arguments (Megatron inspects ``FusedLayerNormAffineFunction.forward``). Every form
-runs the same custom op, ``torch.ops.apex_cpp.fused_norm_fwd``, whose backward is registered with
-torch.library: ``torch.compile`` traces it without a graph break. Statistics and math are fp32
-whatever the storage dtype; float64 inputs take a float64 path (gradcheck).
+apex's names and arguments (Megatron inspects ``FusedLayerNormAffineFunction.forward``). The modules
+and functional forms run the custom op ``torch.ops.apex_cpp.fused_norm`` (apex's autocast rule
+inside it), the autograd Functions ``fused_norm_fwd``/``fused_norm_bwd``; eager calls record the
+C++ library's autograd node, traced ones (``torch.compile``) the ops' own, so that it traces them
+without a graph break. Statistics and math are fp32 whatever the storage dtype; float64 inputs
+take a float64 path (gradcheck).
 """
 import numbers
 
@@ -17,10 +19,10 @@ from apex._ops import ops
 # The overloads themselves: calling the packet resolves the overload on every call.
 _fwd = ops.fused_norm_fwd.default
 _bwd = ops.fused_norm_bwd.default
-
-
-def _device_type(t):
-    return "cpu" if t.is_cpu else t.device.type
+# The modules' and functional forms' op. Eager calls skip OpOverload.__call__'s Python frame
+# (its builtin, where this torch has one); torch.compile traces either alike.
+_norm_op = ops.fused_norm.default
+_norm_call = _norm_op
 
 __all__ = [
     "FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm",
@@ -39,40 +41,10 @@ def _shape(normalized_shape):
 
 
 def _norm(input, weight, bias, normalized_shape, eps, rms, mixed, memory_efficient):
-    return _fwd(input, _shape(normalized_shape), weight, bias, float(eps), rms,
-                              mixed, bool(memory_efficient))[0]
-
-
-def _cast_if_autocast_enabled(*args):
-    """apex's rule for its fused functions under autocast: tensors are cast to the autocast dtype
-    of their device, and the op then runs without autocast."""
-    tensors = [a for a in args if torch.is_tensor(a)]
-    if not tensors:
-        return args
-    device_type = _device_type(tensors[0])
-    if not torch.is_autocast_enabled(device_type):
-        return args
-    dtype = torch.get_autocast_dtype(device_type)
-    return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
-
-
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NOTHING = _Nothing()
-
-
-def _autocast_off(device_type):
-    """Autocast off around the op, as apex's functions run; nothing when it is off already (the
-    context manager costs microseconds that short rows notice)."""
-    if not torch.is_autocast_enabled(device_type):
-        return _NOTHING
-    return torch.autocast(device_type=device_type, enabled=False)
+    # Under autocast the op casts its floating-point tensors to the autocast dtype and runs
+    # without autocast (apex's rule for its fused functions).
+    return _norm_call(input, _shape(normalized_shape), weight, bias, float(eps), rms, mixed,
+                      bool(memory_efficient))
 
 
 # ---- autograd Functions (apex's classes, over the same forward and backward ops) ----------------
@@ -163,41 +135,29 @@ class FusedRMSNormFunction(torch.autograd.Function):
 
 def fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6,
                             memory_efficient=False):
-    args = _cast_if_autocast_enabled(input, weight, bias)
-    with _autocast_off(_device_type(input)):
-        return _norm(*args, normalized_shape, eps, False, False, memory_efficient)
+    return _norm(input, weight, bias, normalized_shape, eps, False, False, memory_efficient)
 
 
 def fused_layer_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
-    (x,) = _cast_if_autocast_enabled(input)
-    with _autocast_off(_device_type(input)):
-        return _norm(x, None, None, normalized_shape, eps, False, False, memory_efficient)
+    return _norm(input, None, None, normalized_shape, eps, False, False, memory_efficient)
 
 
 def mixed_dtype_fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6,
                                         memory_efficient=False):
-    args = _cast_if_autocast_enabled(input, weight, bias)
-    with _autocast_off(_device_type(input)):
-        return _norm(*args, normalized_shape, eps, False, True, memory_efficient)
+    return _norm(input, weight, bias, normalized_shape, eps, False, True, memory_efficient)
 
 
 def fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, memory_efficient=False):
-    x, w = _cast_if_autocast_enabled(input, weight)
-    with _autocast_off(_device_type(input)):
-        return _norm(x, w, None, normalized_shape, eps, True, False, memory_efficient)
+    return _norm(input, weight, None, normalized_shape, eps, True, False, memory_efficient)
 
 
 def fused_rms_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
-    (x,) = _cast_if_autocast_enabled(input)
-    with _autocast_off(_device_type(input)):
-        return _norm(x, None, None, normalized_shape, eps, True, False, memory_efficient)
+    return _norm(input, None, None, normalized_shape, eps, True, False, memory_efficient)
 
 
 def mixed_dtype_fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6,
                                       memory_efficient=False):
-    x, w = _cast_if_autocast_enabled(input, weight)
-    with _autocast_off(_device_type(input)):
-        return _norm(x, w, None, normalized_shape, eps, True, True, memory_efficient)
+    return _norm(input, weight, None, normalized_shape, eps, True, True, memory_efficient)
 
 
 # ---- modules --------------------------------------------------------------------------------------
@@ -245,14 +205,8 @@ class FusedLayerNorm(_FusedNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, memory_efficient, True)
 
     def forward(self, input):
-        if not torch.is_autocast_enabled(_device_type(input)):
-            # The common case without the functional form's autocast handling (per-call cost).
-            return _fwd(input, self._shape_list, self.weight, self.bias, self.eps,
-                                      False, False, self.memory_efficient)[0]
-        if self.elementwise_affine:
-            return fused_layer_norm_affine(input, self.weight, self.bias, self.normalized_shape,
-                                           self.eps, self.memory_efficient)
-        return fused_layer_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
+        return _norm_call(input, self._shape_list, self.weight, self.bias, self.eps, False, False,
+                          self.memory_efficient)
 
 
 class FusedRMSNorm(_FusedNorm):
@@ -264,13 +218,8 @@ class FusedRMSNorm(_FusedNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, memory_efficient, False)
 
     def forward(self, input):
-        if not torch.is_autocast_enabled(_device_type(input)):
-            return _fwd(input, self._shape_list, self.weight, None, self.eps, True,
-                                      False, self.memory_efficient)[0]
-        if self.elementwise_affine:
-            return fused_rms_norm_affine(input, self.weight, self.normalized_shape, self.eps,
-                                         self.memory_efficient)
-        return fused_rms_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
+        return _norm_call(input, self._shape_list, self.weight, None, self.eps, True, False,
+                          self.memory_efficient)
 
 
 def _always_affine(name, kwargs):
