@@ -28,6 +28,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -391,7 +392,10 @@ std::tuple<Tensor, Tensor, Tensor> fused_norm_bwd(
 // The autograd of fused_norm_fwd, in C++ (a Python registration cost ~40 us per call): the
 // forward and backward ops are called through the dispatcher, so under torch.compile they reach
 // their fake implementations.
-class NormFunction : public torch::autograd::Function<NormFunction> {
+// kStats: y and the statistics (marked non-differentiable), as fused_norm_fwd returns them; else
+// y alone (fused_norm), which compiled autograd can trace (it refuses non-differentiable outputs).
+template <bool kStats>
+class NormFunction : public torch::autograd::Function<NormFunction<kStats>> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 const Tensor& input, std::vector<int64_t> shape,
@@ -407,7 +411,7 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
       std::tie(y, mean, rstd) =
           fwd.call(input, shape, weight, bias, eps, rms, mixed, memory_efficient);
     }
-    ctx->mark_non_differentiable({mean, rstd});
+    if constexpr (kStats) ctx->mark_non_differentiable({mean, rstd});
     // memory_efficient keeps the output and recomputes x_hat = (y - bias) / weight (apex's).
     ctx->save_for_backward({memory_efficient ? y : input, mean, rstd, weight.value_or(Tensor()),
                             bias.value_or(Tensor())});
@@ -416,7 +420,8 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
     ctx->saved_data["flags"] = c10::IValue(
         std::vector<bool>{rms, mixed, memory_efficient, weight.has_value(), bias.has_value()});
     ctx->saved_data["input_dtype"] = static_cast<int64_t>(input.scalar_type());
-    return {y, mean, rstd};
+    if constexpr (kStats) return {y, mean, rstd};
+    return {y};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -465,16 +470,28 @@ bool eager_call(const Tensor& input, const std::optional<Tensor>& weight,
        c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchGradWrapper,
        c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
        c10::DispatchKey::FuncTorchDynamicLayerBackMode});
+  // APEX_NORM_EAGER_AUTOGRAD=0: every call takes the traceable route (compiled autograd over
+  // eager code needs it; ~6 us slower per forward + backward).
+  static const bool enabled = [] {
+    const char* v = std::getenv("APEX_NORM_EAGER_AUTOGRAD");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  if (!enabled) return false;
   if (c10::impl::tls_local_dispatch_key_set().included_.has_any(kTraced)) return false;
+  // Strided memory the kernels can read as it is: no lazy negation or conjugation, no
+  // ZeroTensor, no sparse or MKLDNN layout (the dispatcher's fallbacks convert those first).
+  constexpr c10::DispatchKeySet kNotRaw(
+      {c10::DispatchKey::Negative, c10::DispatchKey::Conjugate, c10::DispatchKey::ZeroTensor});
   const auto plain = [&](const Tensor& t) {
-    return !t.key_set().has_any(kTraced) && (t.is_cpu() || t.is_cuda());
+    return !t.key_set().has_any(kTraced | kNotRaw) && t.layout() == c10::kStrided &&
+           (t.is_cpu() || t.is_cuda());
   };
   return plain(input) && (!weight.has_value() || plain(*weight)) &&
          (!bias.has_value() || plain(*bias));
 }
 
 // Eager calls take the C++ library's autograd route (its own node, the kernels called directly:
-// about 10 us less per forward + backward from Python than a torch::autograd::Function around
+// about 6 us less per forward + backward from Python than a torch::autograd::Function around
 // the dispatcher, docs/benchmarks.md); traced ones the Function, whose forward and backward ops
 // reach their fake implementations.
 std::tuple<Tensor, Tensor, Tensor> fused_norm_fwd_autograd(
@@ -487,8 +504,8 @@ std::tuple<Tensor, Tensor, Tensor> fused_norm_fwd_autograd(
     if (!r[1].defined()) r[1] = at::empty({0}, r[2].options());
     return {r[0], r[1], r[2]};
   }
-  auto r = NormFunction::apply(input, normalized_shape.vec(), weight, bias, eps, rms, mixed,
-                               memory_efficient);
+  auto r = NormFunction<true>::apply(input, normalized_shape.vec(), weight, bias, eps, rms, mixed,
+                                     memory_efficient);
   return {r[0], r[1], r[2]};
 }
 
@@ -510,8 +527,8 @@ Tensor fused_norm_autograd(const Tensor& input, at::IntArrayRef normalized_shape
                                                 weight.value_or(Tensor()), bias.value_or(Tensor()),
                                                 eps, rms, mixed, memory_efficient)[0];
   }
-  return NormFunction::apply(input, normalized_shape.vec(), weight, bias, eps, rms, mixed,
-                             memory_efficient)[0];
+  return NormFunction<false>::apply(input, normalized_shape.vec(), weight, bias, eps, rms, mixed,
+                                    memory_efficient)[0];
 }
 
 // apex's rule for its fused norms under autocast: the floating-point tensors are cast to the
@@ -527,7 +544,10 @@ Tensor fused_norm_autocast(const Tensor& input, at::IntArrayRef normalized_shape
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocast);
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
   const auto cast = [dtype](const Tensor& t) {
-    return t.is_floating_point() && t.scalar_type() != dtype ? t.to(dtype) : t;
+    // float64 stays (autocast's own rule for eligible tensors).
+    return t.is_floating_point() && t.scalar_type() != dtype && t.scalar_type() != at::kDouble
+               ? t.to(dtype)
+               : t;
   };
   const auto cast_opt = [&](const std::optional<Tensor>& t) -> std::optional<Tensor> {
     if (!t.has_value()) return std::nullopt;

@@ -170,6 +170,47 @@ def test_module_autocast_casts_like_apex():
     assert y2.dtype == torch.float32
 
 
+_COMPILED_AUTOGRAD = """
+import torch
+from torch._dynamo import compiled_autograd
+from apex.normalization import FusedLayerNorm, FusedRMSNorm
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(16, 16), FusedLayerNorm(16), FusedRMSNorm(16))
+x = torch.randn(4, 16)
+m(x).square().sum().backward()
+eager = [p.grad.clone() for p in m.parameters()]
+m.zero_grad()
+loss = m(x).square().sum()
+try:
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        loss.backward()
+except NotImplementedError as e:
+    print("refused:", str(e).splitlines()[0])
+    raise SystemExit(0)
+for p, g in zip(m.parameters(), eager):
+    torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-6)
+print("traced")
+"""
+
+
+@pytest.mark.parametrize("eager_route", ["1", "0"])
+def test_compiled_autograd(eager_route):
+    """Compiled autograd traces the modules' traceable route (APEX_NORM_EAGER_AUTOGRAD=0) to the
+    eager gradients; over the library's node (the default) it fails saying what to set."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, APEX_NORM_EAGER_AUTOGRAD=eager_route)
+    r = subprocess.run([sys.executable, "-c", _COMPILED_AUTOGRAD], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    if eager_route == "0":
+        assert "traced" in r.stdout, r.stdout
+    else:
+        assert "refused: FusedRMSNormBackward: compiled autograd cannot trace" in r.stdout, r.stdout
+        assert "APEX_NORM_EAGER_AUTOGRAD=0" in r.stdout
+
+
 def test_double_backward_is_refused_clearly():
     m = FusedLayerNorm(16)
     x = torch.randn(4, 16, requires_grad=True)

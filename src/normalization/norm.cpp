@@ -199,6 +199,16 @@ struct NormBackward : public torch::autograd::Node {
     for (SavedVariable* v : {&src, &w, &b, &mean, &rstd}) v->reset_data();
   }
   variable_list apply(variable_list&& grads) override;
+  // Compiled autograd (Python's torch._dynamo.compiled_autograd) traces nodes through these; this
+  // one calls its kernels directly and cannot be traced. Say what to do instead of torch's
+  // generic "not implemented".
+  void compiled_args(torch::autograd::CompiledNodeArgs& /*args*/) const override {
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        false, name(),
+        ": compiled autograd cannot trace apex-cpp's eager norm node; set "
+        "APEX_NORM_EAGER_AUTOGRAD=0 before apex is imported, so that the modules' eager calls "
+        "record a traceable one (or compile the forward too)");
+  }
 };
 
 // A new node owned as the LibTorch in use owns them: c10::intrusive_ptr from 2.12 on,

@@ -104,12 +104,14 @@ const std::vector<Case> kCases = {
     {{2, 12288}, 1},
     {{4, 9, 64}, 1},
     {{3, 4, 5, 6}, 2},
-    // Backward partitions: 300 rows leave two of the 32 blocks empty, 3000 give blocks of 94
-    // rows (a group of 64 stored, then 30 added), 21 rows of 4096 three blocks of 7 (rows wide
-    // enough to be taken in pairs: three pairs and a single row each).
-    {{300, 40}, 1},
-    {{3000, 24}, 1},
+    // Backward partitions (blocks of at least 8 rows and 16k elements, at most 32): 300 rows of
+    // 2048 leave two of the 32 blocks empty (blocks of 10, 30 used), 3000 of 512 give blocks of
+    // 94 rows (a group of 64 stored, then 30 added), 21 rows of 4096 three blocks of 7 (rows wide
+    // enough to be taken in pairs: three pairs and a single row each), 300 of 40 two blocks.
+    {{300, 2048}, 1},
+    {{3000, 512}, 1},
     {{21, 4096}, 1},
+    {{300, 40}, 1},
 };
 
 TEST(FusedNorm, LayerNormMatchesReferenceFp32) {
@@ -663,10 +665,12 @@ TEST(FusedNorm, WorkMemoryOfHugeRows) {
 }
 
 // The rows are split into fixed blocks whatever the thread count, and the blocks' dw/db sums
-// combined in order: every output is bitwise the same with 1, 2 or 3 threads.
+// combined in order (split by columns across the threads from a few thousand sums: 300 x 2048
+// and 3000 x 512, 30 and 32 blocks): every output is bitwise the same with 1, 2 or 3 threads.
 TEST(FusedNorm, ThreadCountDoesNotChangeResults) {
   const int threads = at::get_num_threads();
-  for (const auto& size : std::vector<std::vector<int64_t>>{{300, 40}, {8, 4096}, {3000, 24}}) {
+  for (const auto& size : std::vector<std::vector<int64_t>>{
+           {300, 40}, {8, 4096}, {3000, 24}, {300, 2048}, {3000, 512}}) {
     auto gen = at::detail::createCPUGenerator(3);
     const auto x0 = at::randn(size, gen);
     const auto w0 = at::randn({size[1]}, gen);

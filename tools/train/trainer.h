@@ -94,7 +94,9 @@ struct Summary {
   double ddp_backward_compute_ms = 0;
   double ddp_backward_comm_ms = 0;
   double ddp_overlap_ms = 0;
-  int64_t ddp_buckets = 0;  ///< DDP runs: gradient buckets (after the first step's rebuild)
+  /// DDP runs: gradient buckets at the end (rebuilt in arrival order at the second forward, so a
+  /// one-step run reports the initial single bucket).
+  int64_t ddp_buckets = 0;
   std::vector<StepRecord> curve;
 };
 
