@@ -107,7 +107,8 @@ const std::vector<Case> kCases = {
     // Backward partitions (blocks of at least 8 rows and 16k elements, at most 32): 300 rows of
     // 2048 leave two of the 32 blocks empty (blocks of 10, 30 used), 3000 of 512 give blocks of
     // 94 rows (a group of 64 stored, then 30 added), 21 rows of 4096 three blocks of 7 (rows wide
-    // enough to be taken in pairs: three pairs and a single row each), 300 of 40 two blocks.
+    // enough to be taken in pairs: three pairs and a single row each), 300 of 40 one block
+    // (too small for two threads).
     {{300, 2048}, 1},
     {{3000, 512}, 1},
     {{21, 4096}, 1},

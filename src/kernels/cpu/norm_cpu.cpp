@@ -111,12 +111,17 @@ const float* filled(int64_t n, float v, Slot slot) {
   return out;
 }
 
+// Elements a parallel task should have at least: waking the second thread costs about a
+// microsecond, as much as a forward over ~10k elements, so smaller calls run on one thread.
+constexpr int64_t kGrainElements = 16384;
+
 // Fixed blocks of backward rows, each with its own fp64 dw/db sums: at most kMaxBlocks (enough
 // to balance the threads), with kMinBlockRows rows and kMinBlockElements elements or more each,
 // because every block costs a few passes over [cols] of its own (its partials and sums, and its
 // share of the final combination): 16 blocks of 8 rows made 128 x 768 spend a fifth of its
-// backward there. But at least two blocks from two rows on, so that a few wide rows still use
-// two threads. A function of the shape only: the sums do not depend on the thread count.
+// backward there. But two blocks from two rows on once the call is large enough for two
+// threads, so that a few wide rows still use both. A function of the shape only: the sums do
+// not depend on the thread count.
 constexpr int64_t kMaxBlocks = 32;
 constexpr int64_t kMinBlockRows = 8;
 constexpr int64_t kMinBlockElements = 16384;
@@ -124,12 +129,9 @@ constexpr int64_t kMinBlockElements = 16384;
 int64_t backward_blocks(int64_t rows, int64_t cols) {
   const int64_t min_rows = std::max(kMinBlockRows, (kMinBlockElements + cols - 1) / cols);
   const int64_t by_rows = std::min((rows + min_rows - 1) / min_rows, kMaxBlocks);
-  return std::max({by_rows, std::min<int64_t>(rows, 2), int64_t{1}});
+  const int64_t pair = rows * cols >= 2 * kGrainElements ? std::min<int64_t>(rows, 2) : 1;
+  return std::max({by_rows, pair, int64_t{1}});
 }
-
-// Elements a parallel task should have at least: waking the second thread costs about a
-// microsecond, as much as a forward over ~10k elements, so smaller calls run on one thread.
-constexpr int64_t kGrainElements = 16384;
 
 int64_t grain(int64_t elements_per_item) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, elements_per_item));
