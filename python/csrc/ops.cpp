@@ -360,17 +360,21 @@ void update_scale_hysteresis(const Tensor& scale, const Tensor& growth_tracker,
 
 const char* norm_who(bool rms) { return rms ? "FusedRMSNorm" : "FusedLayerNorm"; }
 
+// fused_norm_fwd's outputs from {y, mean, rstd}: custom ops return defined tensors, so
+// RMSNorm's absent mean becomes an empty one.
+std::tuple<Tensor, Tensor, Tensor> norm_outputs(std::array<Tensor, 3> r) {
+  if (!r[1].defined()) r[1] = at::empty({0}, r[2].options());
+  return {r[0], r[1], r[2]};
+}
+
 std::tuple<Tensor, Tensor, Tensor> fused_norm_fwd(const Tensor& input,
                                                   at::IntArrayRef normalized_shape,
                                                   const std::optional<Tensor>& weight,
                                                   const std::optional<Tensor>& bias, double eps,
                                                   bool rms, bool mixed, bool memory_efficient) {
-  auto r =
+  return norm_outputs(
       normalization::ops::forward(norm_who(rms), input, normalized_shape, weight.value_or(Tensor()),
-                                  bias.value_or(Tensor()), eps, rms, mixed, memory_efficient);
-  // Custom ops return defined tensors: RMSNorm's absent mean as an empty one.
-  if (!r[1].defined()) r[1] = at::empty({0}, r[2].options());
-  return {r[0], r[1], r[2]};
+                                  bias.value_or(Tensor()), eps, rms, mixed, memory_efficient));
 }
 
 std::tuple<Tensor, Tensor, Tensor> fused_norm_bwd(
@@ -490,19 +494,26 @@ bool eager_call(const Tensor& input, const std::optional<Tensor>& weight,
          (!bias.has_value() || plain(*bias));
 }
 
-// Eager calls take the C++ library's autograd route (its own node, the kernels called directly:
-// about 6 us less per forward + backward from Python than a torch::autograd::Function around
-// the dispatcher, docs/benchmarks.md); traced ones the Function, whose forward and backward ops
-// reach their fake implementations.
+// The eager route: the C++ library's autograd (its own node, the kernels called directly: about
+// 6 us less per forward + backward from Python than a torch::autograd::Function around the
+// dispatcher, docs/benchmarks.md). {y, mean, rstd}.
+std::array<Tensor, 3> eager_norm(const Tensor& input, at::IntArrayRef normalized_shape,
+                                 const std::optional<Tensor>& weight,
+                                 const std::optional<Tensor>& bias, double eps, bool rms,
+                                 bool mixed, bool memory_efficient) {
+  return normalization::ops::forward_autograd(norm_who(rms), input, normalized_shape,
+                                              weight.value_or(Tensor()), bias.value_or(Tensor()),
+                                              eps, rms, mixed, memory_efficient);
+}
+
+// Eager calls take eager_norm; traced ones the Function, whose forward and backward ops reach
+// their fake implementations.
 std::tuple<Tensor, Tensor, Tensor> fused_norm_fwd_autograd(
     const Tensor& input, at::IntArrayRef normalized_shape, const std::optional<Tensor>& weight,
     const std::optional<Tensor>& bias, double eps, bool rms, bool mixed, bool memory_efficient) {
   if (eager_call(input, weight, bias)) {
-    auto r = normalization::ops::forward_autograd(
-        norm_who(rms), input, normalized_shape, weight.value_or(Tensor()), bias.value_or(Tensor()),
-        eps, rms, mixed, memory_efficient);
-    if (!r[1].defined()) r[1] = at::empty({0}, r[2].options());
-    return {r[0], r[1], r[2]};
+    return norm_outputs(
+        eager_norm(input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient));
   }
   auto r = NormFunction<true>::apply(input, normalized_shape.vec(), weight, bias, eps, rms, mixed,
                                      memory_efficient);
@@ -515,17 +526,16 @@ std::tuple<Tensor, Tensor, Tensor> fused_norm_fwd_autograd(
 Tensor fused_norm(const Tensor& input, at::IntArrayRef normalized_shape,
                   const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
                   double eps, bool rms, bool mixed, bool memory_efficient) {
-  return std::get<0>(
-      fused_norm_fwd(input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient));
+  return normalization::ops::forward(norm_who(rms), input, normalized_shape,
+                                     weight.value_or(Tensor()), bias.value_or(Tensor()), eps, rms,
+                                     mixed, memory_efficient)[0];
 }
 
 Tensor fused_norm_autograd(const Tensor& input, at::IntArrayRef normalized_shape,
                            const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
                            double eps, bool rms, bool mixed, bool memory_efficient) {
   if (eager_call(input, weight, bias)) {
-    return normalization::ops::forward_autograd(norm_who(rms), input, normalized_shape,
-                                                weight.value_or(Tensor()), bias.value_or(Tensor()),
-                                                eps, rms, mixed, memory_efficient)[0];
+    return eager_norm(input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient)[0];
   }
   return NormFunction<false>::apply(input, normalized_shape.vec(), weight, bias, eps, rms, mixed,
                                     memory_efficient)[0];

@@ -226,7 +226,7 @@ void norm_backward(const NormBackwardArgs& a) {
   // The blocks' sums in block order, per column (contiguous along the columns), rounded once
   // to fp32 and written in the parameters' dtype. Split by columns once there are a few thousand
   // sums to add (32 x 4096 spent a tenth of its backward here on one thread while the other
-  // waited); a multiple of 256 columns per task, as the tiles below.
+  // waited). Each column's sums are added in block order whatever the split.
   const int64_t elem = dtype_size(a.dwb_dtype);
   const int64_t combine_grain = std::max<int64_t>(256, kGrainElements / (2 * used) / 256 * 256);
   at::parallel_for(0, cols, combine_grain, [&](int64_t c0, int64_t c1) {
