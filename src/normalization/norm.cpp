@@ -1,9 +1,9 @@
 #include "apex/normalization/functional.h"
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
@@ -97,6 +97,14 @@ bool is_f64(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   return f64(x) || f64(w) || f64(b);
 }
 
+// A new contiguous tensor: on the CPU straight from ATen's CPU allocator, since at::empty's trip
+// through the dispatcher costs ~0.1-0.2 us, and a norm of a few rows called from Python makes four
+// of them (docs/perf-notes.md); elsewhere at::empty.
+at::Tensor fresh(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return options.device().is_cpu() ? at::detail::empty_cpu(sizes, options)
+                                   : at::empty(sizes, options);
+}
+
 // The mixed variants return the parameters' dtype (apex's MixedFused* definition).
 at::ScalarType output_dtype(const at::Tensor& x, const at::Tensor& weight, Flags f) {
   return f.mixed ? weight.scalar_type() : x.scalar_type();
@@ -112,10 +120,10 @@ std::array<at::Tensor, 3> norm_forward(const at::Tensor& x, const at::Tensor& w,
     auto [y64, mean64, rstd64] = forward_f64(x, w, b, g, eps, f.rms);
     return {y64.to(out_dtype).view(x.sizes()), mean64, rstd64};
   }
-  at::Tensor y = at::empty_like(x, x.options().dtype(out_dtype), at::MemoryFormat::Contiguous);
+  at::Tensor y = fresh(x.sizes(), x.options().dtype(out_dtype));
   const auto stat_opts = x.options().dtype(at::kFloat);
-  at::Tensor mean = f.rms ? at::Tensor() : at::empty({g.rows}, stat_opts);
-  at::Tensor rstd = at::empty({g.rows}, stat_opts);
+  at::Tensor mean = f.rms ? at::Tensor() : fresh({g.rows}, stat_opts);
+  at::Tensor rstd = fresh({g.rows}, stat_opts);
   kernels::NormForwardArgs a;
   a.rows = g.rows;
   a.cols = g.cols;
@@ -270,12 +278,12 @@ std::array<at::Tensor, 3> norm_backward(const BackwardSpec& s, const at::Tensor&
     // parameters alone) computes dw/db only: one read of each row instead of two passes and a
     // write. The CUDA kernels always write dx.
     if (want_dx || src_t.is_cuda()) {
-      dx = at::empty(src_t.sizes(), src_t.options().dtype(x_dtype));
+      dx = fresh(src_t.sizes(), src_t.options().dtype(x_dtype));
     }
     // The CPU backend writes dw/db in the parameters' dtype; the CUDA one in fp32 (cast below).
     const auto dwb = src_t.options().dtype(src_t.is_cuda() ? at::kFloat : w_dtype);
-    dw = want_w ? at::empty({cols}, dwb) : at::Tensor();
-    db = want_b ? at::empty({cols}, dwb) : at::Tensor();
+    dw = want_w ? fresh({cols}, dwb) : at::Tensor();
+    db = want_b ? fresh({cols}, dwb) : at::Tensor();
     const char* who = op_name(rms);
     kernels::NormBackwardArgs a;
     a.rows = rows;

@@ -348,6 +348,49 @@ TEST(FusedNorm, FrozenInputGivesTheSameParameterGradients) {
   EXPECT_TRUE(at::allclose(gw.to(at::kDouble), ref, 1e-5, 1e-5));
 }
 
+// A LayerNorm whose weight or bias is frozen: the row kernels then add only the partials wanted
+// (dw alone; or db, with dw's partials computed and dropped), with and without dx. What is
+// computed equals the all-trainable backward's bit for bit.
+TEST(FusedNorm, FrozenParameterGivesTheSameOtherGradients) {
+  auto gen = at::detail::createCPUGenerator(23);
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    for (const auto& size :
+         std::vector<std::vector<int64_t>>{{3, 40}, {130, 40}, {70, 1000}, {6, 4096}}) {
+      for (const bool memory_efficient : {false, true}) {
+        const auto x0 = at::randn(size, gen).to(dtype);
+        const auto dy = at::randn(size, gen).to(dtype);
+        const auto w0 = (at::rand({size[1]}, gen) + 0.5).to(dtype);
+        const auto b0 = at::randn({size[1]}, gen).to(dtype);
+        auto run = [&](bool x_grad, bool w_grad, bool b_grad) {
+          const auto x = x0.clone().set_requires_grad(x_grad);
+          const auto w = w0.clone().set_requires_grad(w_grad);
+          const auto b = b0.clone().set_requires_grad(b_grad);
+          fused_layer_norm(x, {size[1]}, w, b, 1e-5, memory_efficient).backward(dy);
+          EXPECT_EQ(w.grad().defined(), w_grad);
+          EXPECT_EQ(b.grad().defined(), b_grad);
+          return std::array<at::Tensor, 3>{x.grad(), w.grad(), b.grad()};
+        };
+        const auto all = run(true, true, true);
+        const std::string what = std::string(c10::toString(dtype)) + " " + std::to_string(size[0]) +
+                                 "x" + std::to_string(size[1]) +
+                                 (memory_efficient ? " mem-eff" : "");
+        for (const bool x_grad : {true, false}) {
+          const auto only_w = run(x_grad, true, false);
+          const auto only_b = run(x_grad, false, true);
+          EXPECT_TRUE(at::equal(only_w[1], all[1])) << what;
+          EXPECT_TRUE(at::equal(only_b[2], all[2])) << what;
+          if (x_grad) {
+            EXPECT_TRUE(at::equal(only_w[0], all[0])) << what;
+            EXPECT_TRUE(at::equal(only_b[0], all[0])) << what;
+          }
+        }
+        const auto none = run(true, false, false);  // dx alone: no partials at all
+        EXPECT_TRUE(at::equal(none[0], all[0])) << what;
+      }
+    }
+  }
+}
+
 // Numerical gradient check in float64 (the ATen float64 path runs the kernels' formulas), and a
 // directional finite-difference check of the fp32 kernels themselves.
 TEST(FusedNorm, GradcheckFloat64) {

@@ -60,7 +60,7 @@ struct NormBackwardBlock {
   const float* b = nullptr;   ///< fp32 [cols], from the output only (zeros if no bias); else null
   float* scratch = nullptr;   ///< 5 regions of norm_scratch_stride(cols) floats, then 1024 more
   double* dw_sum = nullptr;   ///< fp64 [cols]: the block's first group stores, later ones add;
-                              ///< null: dw/db not wanted
+                              ///< null: dw not wanted (db_sum: db)
   double* db_sum = nullptr;
 };
 

@@ -204,8 +204,11 @@ void norm_backward(const NormBackwardArgs& a) {
   const int64_t cols = a.cols;
   const int64_t sum_stride = (cols + 7) / 8 * 8;  // each block's sums start on a cache line
   // Written by each block's first group (not added to), so not cleared here.
-  double* const dw_sum = want ? workspace<double>(Slot::kWeightSums, used * sum_stride) : nullptr;
-  double* const db_sum = want ? workspace<double>(Slot::kBiasSums, used * sum_stride) : nullptr;
+  // Only the sums wanted (the row kernels skip the partials of the others).
+  double* const dw_sum =
+      a.dw != nullptr ? workspace<double>(Slot::kWeightSums, used * sum_stride) : nullptr;
+  double* const db_sum =
+      a.db != nullptr ? workspace<double>(Slot::kBiasSums, used * sum_stride) : nullptr;
   at::parallel_for(0, used, grain(per_block * cols), [&](int64_t begin, int64_t end) {
     float* const scratch = workspace<float>(Slot::kRows, 5 * norm_scratch_stride(cols) + 1024);
     for (int64_t blk = begin; blk < end; ++blk) {
@@ -216,8 +219,8 @@ void norm_backward(const NormBackwardArgs& a) {
       block.wd = wd;
       block.b = b;
       block.scratch = scratch;
-      block.dw_sum = want ? dw_sum + blk * sum_stride : nullptr;
-      block.db_sum = want ? db_sum + blk * sum_stride : nullptr;
+      block.dw_sum = dw_sum != nullptr ? dw_sum + blk * sum_stride : nullptr;
+      block.db_sum = db_sum != nullptr ? db_sum + blk * sum_stride : nullptr;
       table().backward_block(a, block);
     }
     release_large_workspace(/*rows_only=*/true);
@@ -231,6 +234,7 @@ void norm_backward(const NormBackwardArgs& a) {
   const int64_t combine_grain = std::max<int64_t>(256, kGrainElements / (2 * used) / 256 * 256);
   at::parallel_for(0, cols, combine_grain, [&](int64_t c0, int64_t c1) {
     for (double* const sum : {dw_sum, db_sum}) {
+      if (sum == nullptr) continue;
       // Block 0's sums and a later block's never overlap (restrict: the loop vectorizes).
       double* __restrict to = sum;
       for (int64_t blk = 1; blk < used; ++blk) {

@@ -336,6 +336,10 @@ struct RowCoef {
   float c_x;  // mean(g * x_hat)
 };
 
+// Which parameter-gradient partials a backward row adds to: none (no affine), dw only (RMSNorm,
+// the common case: its db partial was an extra load and store per element for nothing), or both.
+enum class Parts { kNone, kW, kWB };
+
 template <class W>
 inline W dx_of(const RowCoef& c, W dy, W w, W x_hat) {
   return c.rstd * (dy * w - c.c_0 - x_hat * c.c_x);
@@ -423,7 +427,7 @@ inline bool row_is_nan_free(const RowCoef& c) {
 // The second pass of one row. The row constants are taken by value and the pointers copied, so
 // that the loop keeps them in registers: from a reference, each iteration loaded them again, since
 // its stores might alias them.
-template <bool kFromOutput, bool kUnp, class TS, class TD, class TO>
+template <bool kFromOutput, bool kUnp, Parts kParts, class TS, class TD, class TO>
 inline void backward_out(const BackwardRow& r, const RowCoef c, const TS* __restrict src,
                          const TD* __restrict dy, TO* __restrict out) {
   const float* __restrict w = r.w;
@@ -436,8 +440,8 @@ inline void backward_out(const BackwardRow& r, const RowCoef c, const TS* __rest
     const W d = get_as<W>(dy, k);
     const W xh = x_hat<kFromOutput, W>(src, wd, b, c.mean, c.rstd, k);
     put_as(out, k, dx_of(c, d, get_as<W>(w, k), xh));
-    put_as(dw, k, mul_add(d, xh, get_as<W>(dw, k)));
-    put_as(db, k, get_as<W>(db, k) + d);
+    if constexpr (kParts != Parts::kNone) put_as(dw, k, mul_add(d, xh, get_as<W>(dw, k)));
+    if constexpr (kParts == Parts::kWB) put_as(db, k, get_as<W>(db, k) + d);
   });
 }
 
@@ -445,7 +449,7 @@ inline void backward_out(const BackwardRow& r, const RowCoef c, const TS* __rest
 // stored once for both (for wide rows they come from L2, and were 6 of the 11 accesses per
 // element of a single row's pass). The partials take the first row's terms, then the second's,
 // as two single rows would add them.
-template <bool kFromOutput, bool kUnp, class TS, class TD, class TO>
+template <bool kFromOutput, bool kUnp, Parts kParts, class TS, class TD, class TO>
 inline void backward_out2(const BackwardRow& r, const RowCoef c0, const RowCoef c1,
                           const TS* __restrict src0, const TS* __restrict src1,
                           const TD* __restrict dy0, const TD* __restrict dy1, TO* __restrict out0,
@@ -465,14 +469,16 @@ inline void backward_out2(const BackwardRow& r, const RowCoef c0, const RowCoef 
     const W xh1 = x_hat<kFromOutput, W>(src1, wd, b, c1.mean, c1.rstd, k);
     put_as(out0, k, dx_of(c0, d0, wk, xh0));
     put_as(out1, k, dx_of(c1, d1, wk, xh1));
-    put_as(dw, k, mul_add(d1, xh1, mul_add(d0, xh0, get_as<W>(dw, k))));
-    put_as(db, k, get_as<W>(db, k) + d0 + d1);
+    if constexpr (kParts != Parts::kNone) {
+      put_as(dw, k, mul_add(d1, xh1, mul_add(d0, xh0, get_as<W>(dw, k))));
+    }
+    if constexpr (kParts == Parts::kWB) put_as(db, k, get_as<W>(db, k) + d0 + d1);
   });
 }
 
 // dw/db of a row when dx is not wanted: one pass, no row sums. The same terms as the second pass
 // adds (backward_out), so the same bits.
-template <bool kFromOutput, class TS, class TD>
+template <bool kFromOutput, Parts kParts, class TS, class TD>
 inline void backward_params(const BackwardRow& r, float mean, float rstd, const TS* __restrict src,
                             const TD* __restrict dy) {
   float* __restrict dw = r.dw_part;
@@ -482,7 +488,7 @@ inline void backward_params(const BackwardRow& r, float mean, float rstd, const 
     const float d = get(dy, k);
     const float xh = x_hat<kFromOutput, float>(src, r.wd, r.b, mean, rstd, k);
     dw[k] = mul_add(d, xh, dw[k]);
-    db[k] = db[k] + d;
+    if constexpr (kParts == Parts::kWB) db[k] = db[k] + d;
   }
 }
 
@@ -567,8 +573,21 @@ class BackwardBlock {
   }
 
   void run() {
+    // db partials only where db is wanted (below: a bias-only norm computes dw partials too).
+    if (blk_.db_sum != nullptr) {
+      run_rows<Parts::kWB>();
+    } else if (blk_.dw_sum != nullptr) {
+      run_rows<Parts::kW>();
+    } else {
+      run_rows<Parts::kNone>();
+    }
+  }
+
+ private:
+  template <Parts kP>
+  void run_rows() {
     if (a_.dx == nullptr) {
-      params_only();
+      if constexpr (kP != Parts::kNone) params_only<kP>();
       return;
     }
     for (int64_t r = blk_.begin; r < blk_.end;) {
@@ -576,18 +595,17 @@ class BackwardBlock {
       if constexpr (kMayPair) {
         // Groups have an even number of rows, so a pair never straddles two.
         if (pairs_ && r + 1 < blk_.end) {
-          row_pair(r);
+          row_pair<kP>(r);
           r += 2;
           continue;
         }
       }
-      single_row(r);
+      single_row<kP>(r);
       ++r;
     }
     finish();
   }
 
- private:
   // The dw/db partials are loaded and stored in the loop that stores dx. Where their addresses
   // lie just below dx's modulo 4 KB, their loads wait on the dx stores in flight (4K aliasing).
   // They are placed half a page from the block's first dx row instead (the scratch has a page of
@@ -622,9 +640,9 @@ class BackwardBlock {
   // The partials of a group of kNormGroup rows into the block's fp64 sums: the first group's are
   // stored, later ones added.
   void flush(bool first) const {
-    if (blk_.dw_sum == nullptr) return;
     for (auto [part, sum] :
          {std::pair{row_.dw_part, blk_.dw_sum}, std::pair{row_.db_part, blk_.db_sum}}) {
+      if (sum == nullptr) continue;
       unpacked_ ? add_to_double_unpacked(part, sum, cols_, first)
                 : add_to_double(part, sum, cols_, first);
     }
@@ -633,8 +651,10 @@ class BackwardBlock {
   void start_group(int64_t r) const {
     if ((r - blk_.begin) % kNormGroup == 0) {
       if (r != blk_.begin) flush(r - blk_.begin == kNormGroup);
-      std::fill(row_.dw_part, row_.dw_part + cols_, 0.0f);
-      std::fill(row_.db_part, row_.db_part + cols_, 0.0f);
+      if (blk_.dw_sum != nullptr || blk_.db_sum != nullptr) {
+        std::fill(row_.dw_part, row_.dw_part + cols_, 0.0f);
+      }
+      if (blk_.db_sum != nullptr) std::fill(row_.db_part, row_.db_part + cols_, 0.0f);
     }
   }
 
@@ -643,23 +663,26 @@ class BackwardBlock {
   }
 
   // dw/db only (no dx wanted): one pass per row.
+  template <Parts kP>
   void params_only() const {
     for (int64_t r = blk_.begin; r < blk_.end; ++r) {
       start_group(r);
-      backward_params<kFromOutput>(row_, mean_of(r), a_.rstd[r],
-                                   row_view<SS>(src_at(r), blk_.scratch, cols_),
-                                   row_view<DS>(dy_at(r), blk_.scratch + stride_, cols_));
+      backward_params<kFromOutput, kP>(row_, mean_of(r), a_.rstd[r],
+                                       row_view<SS>(src_at(r), blk_.scratch, cols_),
+                                       row_view<DS>(dy_at(r), blk_.scratch + stride_, cols_));
     }
     finish();
   }
 
+  template <Parts kP>
   void row_pair(int64_t r) const {
     const RowCoef c0 = coef(r, src_at(r), dy_at(r));
     const RowCoef c1 = coef(r + 1, src_at(r + 1), dy_at(r + 1));
-    backward_out2<kFromOutput, kUnp>(out_row_, c0, c1, src_at(r), src_at(r + 1), dy_at(r),
-                                     dy_at(r + 1), dx_at(r), dx_at(r + 1));
+    backward_out2<kFromOutput, kUnp, kP>(out_row_, c0, c1, src_at(r), src_at(r + 1), dy_at(r),
+                                         dy_at(r + 1), dx_at(r), dx_at(r + 1));
   }
 
+  template <Parts kP>
   void single_row(int64_t r) const {
     if constexpr (V == 1) {
       prefetch_next_row(src_at(r), dtype_of<SS>(), cols_);
@@ -670,10 +693,10 @@ class BackwardBlock {
     const RowCoef c = coef(r, src_row, dy_row);
     if constexpr (std::is_same_v<OS, Half>) {
       float* const tmp = blk_.scratch + 2 * stride_;
-      backward_out<kFromOutput, false>(row_, c, src_row, dy_row, tmp);
+      backward_out<kFromOutput, false, kP>(row_, c, src_row, dy_row, tmp);
       float_to_half(tmp, dx_at(r), cols_);
     } else {
-      backward_out<kFromOutput, kUnp>(out_row_, c, src_row, dy_row, dx_at(r));
+      backward_out<kFromOutput, kUnp, kP>(out_row_, c, src_row, dy_row, dx_at(r));
     }
   }
 
