@@ -1,5 +1,6 @@
 """Builds the op library (python/CMakeLists.txt, part of apex-cpp's CMake project: the same kernels
-as the C++ library) with CMake against the installed torch, and installs it as apex/_apex_cpp.so.
+as the C++ library) with CMake against the installed torch, and installs it as apex/_apex_cpp.so,
+beside apex/_eager.so (the norms' direct eager entry, a CPython module for the building Python).
 
     pip install --no-build-isolation <checkout>/python
 """
@@ -44,10 +45,15 @@ class CMakeBuild(build_ext):
              "-DAPEX_BUILD_TESTS=OFF", "-DAPEX_BUILD_EXAMPLES=OFF", "-DAPEX_BUILD_BENCHMARKS=OFF",
              "-DAPEX_BUILD_TOOLS=OFF"])
         subprocess.check_call(["cmake", "--build", build_dir, "--target", "apex_python_ops",
-                               "--parallel", jobs])
+                               "apex_python_eager", "--parallel", jobs])
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         shutil.copyfile(os.path.join(build_dir, "python", "_apex_cpp.so"), target)
+        # The norms' direct eager entry (csrc/eager.cpp): a CPython module for this Python, built
+        # where Python's headers are (CMake warns otherwise, and the package uses torch.ops alone).
+        eager = os.path.join(build_dir, "python", "_eager.so")
+        if os.path.exists(eager):
+            shutil.copyfile(eager, os.path.join(os.path.dirname(target), "_eager.so"))
         # The torch the op library was compiled against: apex refuses to load it under another.
         with open(os.path.join(os.path.dirname(target), "_build_info.py"), "w") as f:
             f.write(f"TORCH_VERSION = {torch.__version__!r}\n")

@@ -227,3 +227,71 @@ def test_bad_input_messages():
         fln.fused_layer_norm(torch.randn(2, 4), (4,), eps=0.0)
     with pytest.raises(RuntimeError, match="input must be a floating-point tensor"):
         fln.fused_layer_norm(torch.ones(2, 4, dtype=torch.int64), (4,))
+
+
+def test_direct_eager_entry_and_its_fallbacks(monkeypatch):
+    """Eager module and functional calls enter apex_cpp::fused_norm directly (apex._eager,
+    csrc/eager.cpp: no torch.ops argument parsing); what only torch.ops handles goes to the op
+    object passed in: tensor subclasses and torch function modes see the op, other argument types
+    are converted by it. Same values and gradients either way."""
+    from apex import _eager  # built wherever Python's headers are: in CI always
+    op = torch.ops.apex_cpp.fused_norm.default
+    fallbacks = []
+
+    def counting_op(*args):
+        fallbacks.append(args)
+        return op(*args)
+
+    x, w, b, dy = inputs((5, 32), torch.float32)
+    direct = _eager.fused_norm(counting_op, x, [32], w, b, 1e-5, False, False, False)
+    assert not fallbacks
+    assert direct.grad_fn.name() == "FusedLayerNormBackward"
+    via_op = op(x, [32], w, b, 1e-5, False, False, False)
+    torch.testing.assert_close(direct, via_op, rtol=0, atol=0)
+    for a, c in zip(torch.autograd.grad(direct, (x, w, b), dy),
+                    torch.autograd.grad(via_op, (x, w, b), dy)):
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+    # torch.Size and tuple shapes and an int eps are taken directly; other types fall back.
+    for shape, eps in ((torch.Size([32]), 1), ((32,), 1e-5)):
+        y = _eager.fused_norm(counting_op, x, shape, w, None, eps, True, False, False)
+        torch.testing.assert_close(y, op(x, [32], w, None, float(eps), True, False, False),
+                                   rtol=0, atol=0)
+    assert not fallbacks
+    y = _eager.fused_norm(counting_op, x, [32], w, b, 1e-5, 1, False, False)  # rms=1: not a bool
+    assert len(fallbacks) == 1
+    torch.testing.assert_close(y, op(x, [32], w, b, 1e-5, True, False, False), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="expected 9 arguments"):
+        _eager.fused_norm(op, x)
+
+    # The modules and functional forms go through it.
+    calls = []
+    monkeypatch.setattr(fln, "_direct", lambda *args: calls.append(args[0]) or _eager.fused_norm(*args))
+    FusedRMSNorm(32)(x)
+    FusedLayerNorm(32)(x)
+    fln.fused_layer_norm_affine(x, w, b, (32,))
+    assert calls == [op, op, op]
+
+    # A torch function mode and a tensor subclass with __torch_function__ see the op itself.
+    seen = []
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    m = FusedRMSNorm(32)
+    with Mode():
+        m(x)
+    assert op in seen
+
+    class Sub(torch.Tensor):
+        calls = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.calls.append(func)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    ys = m(x.detach().as_subclass(Sub))
+    assert op in Sub.calls and type(ys) is Sub
+    torch.testing.assert_close(ys.as_subclass(torch.Tensor), m(x.detach()), rtol=0, atol=0)

@@ -16,12 +16,21 @@ from torch.nn.parameter import Parameter
 
 from apex._ops import ops
 
+try:
+    from apex._eager import fused_norm as _direct
+except ImportError:  # built without Python's headers (a CMake warning said so): torch.ops alone
+    _direct = None
+
 # The overloads themselves: calling the packet resolves the overload on every call.
 _fwd = ops.fused_norm_fwd.default
 _bwd = ops.fused_norm_bwd.default
 # The modules' and functional forms' op (its builtin `_op` would save ~0.1 us a call, but
 # dynamo does not trace through it).
 _norm_call = ops.fused_norm.default
+# Eager calls take _direct(_norm_call, ...): the same op through the dispatcher without torch.ops'
+# argument parsing (~1.5 us less a call), or _norm_call itself for tensor subclasses, torch
+# function modes and arguments of other types (csrc/eager.cpp). Traced code sees _norm_call.
+_is_compiling = torch.compiler.is_compiling
 
 __all__ = [
     "FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm",
@@ -42,8 +51,11 @@ def _shape(normalized_shape):
 def _norm(input, weight, bias, normalized_shape, eps, rms, mixed, memory_efficient):
     # Under autocast the op casts its floating-point tensors to the autocast dtype and runs
     # without autocast (apex's rule for its fused functions).
-    return _norm_call(input, _shape(normalized_shape), weight, bias, float(eps), rms, mixed,
-                      bool(memory_efficient))
+    args = (input, _shape(normalized_shape), weight, bias, float(eps), rms, mixed,
+            bool(memory_efficient))
+    if _direct is None or _is_compiling():
+        return _norm_call(*args)
+    return _direct(_norm_call, *args)
 
 
 # ---- autograd Functions (apex's classes, over the same forward and backward ops) ----------------
@@ -204,8 +216,11 @@ class FusedLayerNorm(_FusedNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, memory_efficient, True)
 
     def forward(self, input):
-        return _norm_call(input, self._shape_list, self.weight, self.bias, self.eps, False, False,
-                          self.memory_efficient)
+        if _direct is None or _is_compiling():
+            return _norm_call(input, self._shape_list, self.weight, self.bias, self.eps, False,
+                              False, self.memory_efficient)
+        return _direct(_norm_call, input, self._shape_list, self.weight, self.bias, self.eps,
+                       False, False, self.memory_efficient)
 
 
 class FusedRMSNorm(_FusedNorm):
@@ -217,8 +232,11 @@ class FusedRMSNorm(_FusedNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, memory_efficient, False)
 
     def forward(self, input):
-        return _norm_call(input, self._shape_list, self.weight, None, self.eps, True, False,
-                          self.memory_efficient)
+        if _direct is None or _is_compiling():
+            return _norm_call(input, self._shape_list, self.weight, None, self.eps, True, False,
+                              self.memory_efficient)
+        return _direct(_norm_call, input, self._shape_list, self.weight, None, self.eps, True,
+                       False, self.memory_efficient)
 
 
 def _always_affine(name, kwargs):
