@@ -72,6 +72,16 @@ bool to_bool(PyObject* o, bool& out) {
   return true;
 }
 
+// Whether the next __torch_function__ check is to be skipped (torch.ops would consume the flag;
+// the op takes that route then). Newer than torch 2.11, which has no such flag.
+bool skip_next_torch_function() {
+#ifdef APEX_TORCH_HAS_SKIP_NEXT
+  return at::impl::PythonTorchFunctionTLS::peek_skip_next();
+#else
+  return false;
+#endif
+}
+
 // fused_norm(op, input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient):
 // op(input, ...) where the direct call cannot stand for it, else the op through the dispatcher.
 PyObject* fused_norm(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
@@ -88,8 +98,7 @@ PyObject* fused_norm(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
                       optional_tensor(args[3], weight) && optional_tensor(args[4], bias) &&
                       to_double(args[5], eps) && to_bool(args[6], rms) && to_bool(args[7], mixed) &&
                       to_bool(args[8], memory_efficient) &&
-                      !at::impl::torch_function_mode_enabled() &&
-                      !at::impl::PythonTorchFunctionTLS::peek_skip_next();
+                      !at::impl::torch_function_mode_enabled() && !skip_next_torch_function();
   if (!direct) return PyObject_Vectorcall(args[0], args + 1, nargs - 1, nullptr);
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("apex_cpp::fused_norm", "").typed<NormSig>();

@@ -100,7 +100,8 @@ std::string usage() {
   return R"(usage: apex-train [options]
 Trains a model with apex-cpp's mixed precision, one opt level or several side by side.
 With no options: --model transformer --compare O0,O1,O2 on built-in token data (~2 min on 2 cores;
-O0 alone, saying why, on a CPU where LibTorch multiplies bf16 matrices slowly: no AVX-512).
+O0 alone, saying why, only where LibTorch multiplies bf16 matrices slowly, no AVX-512, and
+APEX_CPU_HALF_FALLBACK=0 turns apex's fp32 route off).
 
 model and data
 )" + model_help() +
