@@ -18,6 +18,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <optional>
+#include <tuple>
 
 namespace {
 
@@ -25,6 +26,10 @@ using at::Tensor;
 
 using NormSig = Tensor(const Tensor&, at::IntArrayRef, const std::optional<Tensor>&,
                        const std::optional<Tensor>&, double, bool, bool, bool);
+using NormFwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, at::IntArrayRef,
+                                                      const std::optional<Tensor>&,
+                                                      const std::optional<Tensor>&, double, bool,
+                                                      bool, bool);
 
 bool plain_tensor(PyObject* o) { return THPVariable_CheckExact(o); }
 
@@ -82,6 +87,21 @@ bool skip_next_torch_function() {
 #endif
 }
 
+// The arguments after the first, in apex_cpp::fused_norm's order, when they allow the direct call.
+struct NormArgs {
+  std::optional<Tensor> weight, bias;
+  c10::SmallVector<int64_t, 4> shape;
+  double eps = 0;
+  bool rms = false, mixed = false, memory_efficient = false;
+
+  bool parse(PyObject* const* a) {
+    return plain_tensor(a[0]) && int_list(a[1], shape) && optional_tensor(a[2], weight) &&
+           optional_tensor(a[3], bias) && to_double(a[4], eps) && to_bool(a[5], rms) &&
+           to_bool(a[6], mixed) && to_bool(a[7], memory_efficient) &&
+           !at::impl::torch_function_mode_enabled() && !skip_next_torch_function();
+  }
+};
+
 // fused_norm(op, input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient):
 // op(input, ...) where the direct call cannot stand for it, else the op through the dispatcher.
 PyObject* fused_norm(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
@@ -90,23 +110,42 @@ PyObject* fused_norm(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
     PyErr_Format(PyExc_TypeError, "apex._eager.fused_norm: expected 9 arguments, got %zd", nargs);
     return nullptr;
   }
-  std::optional<Tensor> weight, bias;
-  c10::SmallVector<int64_t, 4> shape;
-  double eps = 0;
-  bool rms = false, mixed = false, memory_efficient = false;
-  const bool direct = plain_tensor(args[1]) && int_list(args[2], shape) &&
-                      optional_tensor(args[3], weight) && optional_tensor(args[4], bias) &&
-                      to_double(args[5], eps) && to_bool(args[6], rms) && to_bool(args[7], mixed) &&
-                      to_bool(args[8], memory_efficient) &&
-                      !at::impl::torch_function_mode_enabled() && !skip_next_torch_function();
-  if (!direct) return PyObject_Vectorcall(args[0], args + 1, nargs - 1, nullptr);
+  NormArgs n;
+  if (!n.parse(args + 1)) return PyObject_Vectorcall(args[0], args + 1, nargs - 1, nullptr);
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("apex_cpp::fused_norm", "").typed<NormSig>();
   const Tensor& input = THPVariable_Unpack(args[1]);
   Tensor y;
   {
     const pybind11::gil_scoped_release no_gil;
-    y = op.call(input, shape, weight, bias, eps, rms, mixed, memory_efficient);
+    y = op.call(input, n.shape, n.weight, n.bias, n.eps, n.rms, n.mixed, n.memory_efficient);
+  }
+  return THPVariable_Wrap(std::move(y));
+  END_HANDLE_TH_ERRORS
+}
+
+// fused_norm_fwd_output(input, normalized_shape, weight, bias, eps, rms, mixed,
+// memory_efficient): the output of apex_cpp::fused_norm_fwd (the op of apex's autograd
+// Functions: no autocast rule) called directly, or NotImplemented where only the Function can
+// stand for it.
+PyObject* fused_norm_fwd_output(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 8) {
+    PyErr_Format(PyExc_TypeError,
+                 "apex._eager.fused_norm_fwd_output: expected 8 arguments, got %zd", nargs);
+    return nullptr;
+  }
+  NormArgs n;
+  if (!n.parse(args)) Py_RETURN_NOTIMPLEMENTED;
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("apex_cpp::fused_norm_fwd", "")
+                             .typed<NormFwdSig>();
+  const Tensor& input = THPVariable_Unpack(args[0]);
+  Tensor y;
+  {
+    const pybind11::gil_scoped_release no_gil;
+    y = std::get<0>(
+        op.call(input, n.shape, n.weight, n.bias, n.eps, n.rms, n.mixed, n.memory_efficient));
   }
   return THPVariable_Wrap(std::move(y));
   END_HANDLE_TH_ERRORS
@@ -117,6 +156,11 @@ PyMethodDef methods[] = {
      METH_FASTCALL,
      "fused_norm(op, input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient): "
      "apex_cpp::fused_norm called directly, or op(...) for what only torch.ops handles"},
+    {"fused_norm_fwd_output",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fused_norm_fwd_output)),
+     METH_FASTCALL,
+     "fused_norm_fwd_output(input, normalized_shape, weight, bias, eps, rms, mixed, "
+     "memory_efficient): apex_cpp::fused_norm_fwd's output, called directly, or NotImplemented"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT,

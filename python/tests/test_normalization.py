@@ -295,3 +295,58 @@ def test_direct_eager_entry_and_its_fallbacks(monkeypatch):
     ys = m(x.detach().as_subclass(Sub))
     assert op in Sub.calls and type(ys) is Sub
     torch.testing.assert_close(ys.as_subclass(torch.Tensor), m(x.detach()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,args", [
+    ("FusedLayerNormAffineFunction", "wb"), ("FusedLayerNormAffineMixedDtypesFunction", "wb"),
+    ("FusedRMSNormAffineFunction", "w"), ("FusedRMSNormAffineMixedDtypesFunction", "w"),
+    ("FusedLayerNormFunction", ""), ("FusedRMSNormFunction", "")])
+@pytest.mark.parametrize("memory_efficient", [None, False, True])
+def test_functions_apply_directly_in_eager_mode(name, args, memory_efficient):
+    """apex's Functions' apply calls fused_norm_fwd directly in eager mode (the library's node)
+    and gives the Function's own values and gradients (torch.autograd.Function.apply)."""
+    cls = getattr(fln, name)
+    x, w, b, dy = inputs((6, 40), torch.bfloat16 if "Mixed" in name else torch.float32)
+    tensors = [x] + ([w] if "w" in args else []) + ([b] if "b" in args else [])
+    rest = [(40,), 1e-5] + ([] if memory_efficient is None else [memory_efficient])
+    y = cls.apply(*tensors, *rest)
+    assert y.grad_fn.name().startswith("Fused")  # the library's node, not <name>Backward
+    ref = torch.autograd.Function.apply.__func__(cls, *tensors, *rest)
+    assert ref.grad_fn.name() == name + "Backward"
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    for a, c in zip(torch.autograd.grad(y, tensors, dy), torch.autograd.grad(ref, tensors, dy)):
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+
+
+def test_functions_apply_keeps_apex_semantics():
+    """No autocast cast (apex's Functions have none); a subclass with its own forward, keyword
+    arguments and tensor subclasses take the Function itself; torch.compile traces apply."""
+    x, w, b, dy = inputs((4, 16), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fln.FusedLayerNormAffineFunction.apply(x, w, b, (16,), 1e-5).dtype == torch.float32
+        assert fln.fused_layer_norm_affine(x, w, b, (16,)).dtype == torch.bfloat16
+
+    class Doubled(fln.FusedLayerNormAffineFunction):
+        @staticmethod
+        def forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient=False):
+            return 2 * fln.FusedLayerNormAffineFunction.forward(
+                ctx, input, weight, bias, normalized_shape, eps, memory_efficient)
+
+    y = fln.FusedLayerNormAffineFunction.apply(x, w, b, (16,), 1e-5)
+    y2 = Doubled.apply(x, w, b, (16,), 1e-5)
+    assert y2.grad_fn.name() == "DoubledBackward"
+    torch.testing.assert_close(y2, 2 * y)
+    yk = fln.FusedLayerNormAffineFunction.apply(x, w, b, normalized_shape=(16,), eps=1e-5)
+    assert yk.grad_fn.name() == "FusedLayerNormAffineFunctionBackward"
+    torch.testing.assert_close(yk, y, rtol=0, atol=0)
+
+    def f(x):
+        return fln.FusedRMSNormAffineFunction.apply(
+            fln.FusedLayerNormAffineFunction.apply(x, w, b, (16,), 1e-5, False), w, (16,), 1e-5)
+
+    assert torch._dynamo.explain(f)(x).graph_break_count == 0
+    yc = torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+    ye = f(x)
+    torch.testing.assert_close(yc, ye)
+    for a, c in zip(torch.autograd.grad(yc, (x, w, b), dy), torch.autograd.grad(ye, (x, w, b), dy)):
+        torch.testing.assert_close(a, c)
