@@ -52,8 +52,11 @@ class CMakeBuild(build_ext):
         # The norms' direct eager entry (csrc/eager.cpp): a CPython module for this Python, built
         # where Python's headers are (CMake warns otherwise, and the package uses torch.ops alone).
         eager = os.path.join(build_dir, "python", "_eager.so")
+        eager_target = os.path.join(os.path.dirname(target), "_eager.so")
         if os.path.exists(eager):
-            shutil.copyfile(eager, os.path.join(os.path.dirname(target), "_eager.so"))
+            shutil.copyfile(eager, eager_target)
+        elif os.path.exists(eager_target):
+            os.remove(eager_target)  # one built for another torch must not be imported
         # The torch the op library was compiled against: apex refuses to load it under another.
         with open(os.path.join(os.path.dirname(target), "_build_info.py"), "w") as f:
             f.write(f"TORCH_VERSION = {torch.__version__!r}\n")

@@ -58,7 +58,7 @@ bool int_list(PyObject* o, c10::SmallVector<int64_t, 4>& out) {
 }
 
 bool to_double(PyObject* o, double& out) {
-  if (PyFloat_CheckExact(o)) {
+  if (PyFloat_Check(o)) {  // subclasses too (numpy.float64): their value, as torch.ops reads it
     out = PyFloat_AS_DOUBLE(o);
     return true;
   }

@@ -229,12 +229,45 @@ def test_bad_input_messages():
         fln.fused_layer_norm(torch.ones(2, 4, dtype=torch.int64), (4,))
 
 
+def eager_module():
+    """apex._eager: built wherever this Python's headers are (always in CI); skips otherwise."""
+    import os
+    import sysconfig
+    if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        pytest.skip("no Python headers here: apex._eager is not built")
+    from apex import _eager
+    return _eager
+
+
+def test_without_the_direct_entry(monkeypatch):
+    """Built without Python's headers (no apex._eager), modules, functional forms and Functions
+    run through torch.ops alone: the same values and gradients."""
+    x, w, b, dy = inputs((6, 24), torch.float32)
+    m = FusedLayerNorm(24)
+    with torch.no_grad():
+        m.weight.copy_(w)
+        m.bias.copy_(b)
+
+    def run():
+        outs = [m(x), fln.fused_rms_norm_affine(x, w, (24,)),
+                fln.FusedLayerNormAffineFunction.apply(x, w, b, (24,), 1e-5)]
+        return outs + list(torch.autograd.grad(sum((o * dy).sum() for o in outs),
+                                               (x, w, b, m.weight)))
+
+    with_entry = run()
+    monkeypatch.setattr(fln, "_direct", None)
+    monkeypatch.setattr(fln, "_direct_fwd", None)
+    without = run()
+    for a, c in zip(with_entry, without):
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+
+
 def test_direct_eager_entry_and_its_fallbacks(monkeypatch):
     """Eager module and functional calls enter apex_cpp::fused_norm directly (apex._eager,
     csrc/eager.cpp: no torch.ops argument parsing); what only torch.ops handles goes to the op
     object passed in: tensor subclasses and torch function modes see the op, other argument types
     are converted by it. Same values and gradients either way."""
-    from apex import _eager  # built wherever Python's headers are: in CI always
+    _eager = eager_module()
     op = torch.ops.apex_cpp.fused_norm.default
     fallbacks = []
 
@@ -251,8 +284,10 @@ def test_direct_eager_entry_and_its_fallbacks(monkeypatch):
     for a, c in zip(torch.autograd.grad(direct, (x, w, b), dy),
                     torch.autograd.grad(via_op, (x, w, b), dy)):
         torch.testing.assert_close(a, c, rtol=0, atol=0)
-    # torch.Size and tuple shapes and an int eps are taken directly; other types fall back.
-    for shape, eps in ((torch.Size([32]), 1), ((32,), 1e-5)):
+    # torch.Size and tuple shapes and an int or numpy eps are taken directly; other types fall
+    # back.
+    import numpy as np
+    for shape, eps in ((torch.Size([32]), 1), ((32,), 1e-5), ([32], np.float64(1e-5))):
         y = _eager.fused_norm(counting_op, x, shape, w, None, eps, True, False, False)
         torch.testing.assert_close(y, op(x, [32], w, None, float(eps), True, False, False),
                                    rtol=0, atol=0)

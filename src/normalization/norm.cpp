@@ -99,7 +99,9 @@ bool is_f64(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
 
 // A new contiguous tensor: on the CPU straight from ATen's CPU allocator, since at::empty's trip
 // through the dispatcher costs ~0.1-0.2 us, and a norm of a few rows called from Python makes four
-// of them (docs/perf-notes.md); elsewhere at::empty.
+// of them (docs/perf-notes.md); elsewhere at::empty. What empty_cpu skips: at::empty's NaN fill
+// under torch's deterministic mode (fill_uninitialized_memory) and its profiler event; so every
+// element of what it returns must be written (the kernels write all, empty shapes are zeroed).
 at::Tensor fresh(at::IntArrayRef sizes, const at::TensorOptions& options) {
   return options.device().is_cpu() ? at::detail::empty_cpu(sizes, options)
                                    : at::empty(sizes, options);
