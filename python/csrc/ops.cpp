@@ -19,6 +19,7 @@
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
+#include <apex/amp/cpu_half.h>
 #include <apex/optim/multi_tensor.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
@@ -29,6 +30,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -595,6 +597,36 @@ Tensor batch_norm_backward_reduce(const Tensor& grad_out, const Tensor& input,
 
 std::string cpu_isa() { return apex::optim::cpu_kernel_isa(); }
 
+// ---- CPU half precision through fp32 (apex/amp/cpu_half.h), for apex.amp and its scope ---------
+
+// The guards a Python scope holds in this thread, innermost last (enter and exit come in pairs
+// from one thread: apex.amp.cpu_half_fallback).
+thread_local std::vector<std::unique_ptr<apex::amp::CpuHalfFallbackGuard>> half_scopes;
+
+// Starts a scope; false (and nothing held) where the fallback is not available.
+bool cpu_half_fallback_enter() {
+  if (!apex::amp::cpu_half_fallback_available()) return false;
+  half_scopes.push_back(std::make_unique<apex::amp::CpuHalfFallbackGuard>(true));
+  return true;
+}
+
+void cpu_half_fallback_exit() {
+  TORCH_CHECK(!half_scopes.empty(),
+              "apex_cpp::cpu_half_fallback_exit: no scope of this thread is open");
+  half_scopes.pop_back();
+}
+
+bool cpu_half_fallback_active() { return apex::amp::cpu_half_fallback_active(); }
+bool cpu_half_fallback_available() { return apex::amp::cpu_half_fallback_available(); }
+
+// Tests: -1 decides from the CPU and the environment again, 0/1 forces.
+void cpu_half_fallback_force(int64_t forced) {
+  TORCH_CHECK(forced >= -1 && forced <= 1,
+              "apex_cpp::_cpu_half_fallback_force: expected -1, 0 or 1, got ", forced);
+  apex::amp::detail::force_cpu_half_fallback_available(
+      forced < 0 ? std::nullopt : std::optional<bool>(forced == 1));
+}
+
 // For python -m apex.bench: seconds per call of the C++ multi_tensor_scale, called n times from
 // C++ (what a Python call adds is measured against it in the same process).
 double bench_scale_calls(const Tensor& noop, const TensorList& x, const TensorList& y, int64_t n) {
@@ -670,6 +702,11 @@ TORCH_LIBRARY(apex_cpp, m) {
       "batch_norm_backward_elemt(Tensor grad_out, Tensor input, Tensor mean, Tensor a, Tensor b, "
       "Tensor k) -> Tensor");
   m.def("cpu_isa() -> str", &cpu_isa);
+  m.def("cpu_half_fallback_enter() -> bool", &cpu_half_fallback_enter);
+  m.def("cpu_half_fallback_exit() -> ()", &cpu_half_fallback_exit);
+  m.def("cpu_half_fallback_active() -> bool", &cpu_half_fallback_active);
+  m.def("cpu_half_fallback_available() -> bool", &cpu_half_fallback_available);
+  m.def("_cpu_half_fallback_force(int forced) -> ()", &cpu_half_fallback_force);
   m.def("bench_scale_calls(Tensor(a!) noop_flag, Tensor[] x, Tensor(b!)[] y, int n) -> float",
         &bench_scale_calls);
 }

@@ -190,3 +190,75 @@ def test_o2_training_recovers_after_a_skipped_step():
         model.zero_grad()
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0 ** 15
+
+
+# ---- half matmuls through fp32 on CPUs without fast ones (apex.amp.cpu_half_fallback) -----------
+
+@pytest.fixture
+def forced_fallback():
+    """The fp32 route made available whatever this CPU's half path (tests only), then decided
+    from the CPU again."""
+    ops = torch.ops.apex_cpp
+    ops._cpu_half_fallback_force(1)
+    yield
+    ops._cpu_half_fallback_force(-1)
+
+
+def test_cpu_half_fallback_scope(forced_fallback):
+    """On in its thread while open (nested, through exceptions), off outside and in other
+    threads; the covered ops give torch's fp32 result on the widened inputs, rounded once."""
+    import threading
+    assert amp.cpu_half_fallback_available()
+    assert not amp.cpu_half_fallback_active()
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(37, 70, generator=g).bfloat16()
+    b = torch.randn(70, 23, generator=g).bfloat16()
+    w = torch.randn(8, 3, 3, 3, generator=g).half()
+    img = torch.randn(2, 3, 9, 9, generator=g).half()
+    seen = []
+    with amp.cpu_half_fallback():
+        assert amp.cpu_half_fallback_active()
+        with amp.cpu_half_fallback():
+            assert amp.cpu_half_fallback_active()
+        assert amp.cpu_half_fallback_active()
+        t = threading.Thread(target=lambda: seen.append(amp.cpu_half_fallback_active()))
+        t.start()
+        t.join()
+        mm = a @ b
+        lin = F.linear(a, b.t())
+        conv = F.conv2d(img, w, padding=1)
+    assert seen == [False]
+    assert not amp.cpu_half_fallback_active()
+    torch.testing.assert_close(mm, (a.float() @ b.float()).bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(lin, F.linear(a.float(), b.t().float()).bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(conv, F.conv2d(img.float(), w.float(), padding=1).half(),
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError):
+        with amp.cpu_half_fallback():
+            raise ValueError("inside")
+    assert not amp.cpu_half_fallback_active()
+    with amp.cpu_half_fallback(enabled=False):
+        assert not amp.cpu_half_fallback_active()
+    torch.ops.apex_cpp._cpu_half_fallback_force(0)  # a CPU with fast half matmuls: a no-op
+    with amp.cpu_half_fallback():
+        assert not amp.cpu_half_fallback_active()
+    with pytest.raises(RuntimeError, match="no scope of this thread is open"):
+        torch.ops.apex_cpp.cpu_half_fallback_exit()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_amp_computes_through_fp32_where_half_is_slow(forced_fallback, opt_level):
+    """apex.amp opens the scope around the patched forward and the backward in scale_loss, and
+    trains as without it."""
+    model, opt = model_and_opt(fused=True)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+    during = []
+    model[0].register_forward_hook(lambda *_: during.append(("forward",
+                                                             amp.cpu_half_fallback_active())))
+    model[0].weight.register_hook(lambda g: during.append(("backward",
+                                                           amp.cpu_half_fallback_active())))
+    losses = train(model, opt, steps=40)
+    assert ("forward", True) in during and ("backward", True) in during
+    assert all(active for _, active in during), during
+    assert not amp.cpu_half_fallback_active()
+    assert losses[-1] < 0.25 * losses[0]

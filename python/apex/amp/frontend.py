@@ -9,6 +9,7 @@ import torch
 from apex._ops import ops
 
 from ._amp_state import _amp_state, maybe_print
+from .cpu_half import cpu_half_fallback
 from .scaler import LossScaler
 
 
@@ -142,10 +143,13 @@ def _float_caster(dtype):
 def _patch_forward(model, props, device_type):
     old_forward = model.forward
     out_dtype = props.cast_model_outputs
+    # The model computes in half: on a CPU without fast half matmuls, through fp32 (cpu_half.py).
+    on_cpu = device_type == "cpu"
     if props.patch_torch_functions:
         @functools.wraps(old_forward)
         def forward(*args, **kwargs):
-            with torch.autocast(device_type=device_type, dtype=props.half_dtype):
+            with torch.autocast(device_type=device_type, dtype=props.half_dtype), \
+                    cpu_half_fallback(on_cpu):
                 out = old_forward(*args, **kwargs)
             return _apply(out, _float_caster(out_dtype)) if out_dtype is not None else out
     else:
@@ -154,7 +158,8 @@ def _patch_forward(model, props, device_type):
 
         @functools.wraps(old_forward)
         def forward(*args, **kwargs):
-            out = old_forward(*_apply(args, in_cast), **_apply(kwargs, in_cast))
+            with cpu_half_fallback(on_cpu):
+                out = old_forward(*_apply(args, in_cast), **_apply(kwargs, in_cast))
             return _apply(out, out_cast)
     model.forward = forward
 

@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from ._amp_state import _amp_state, maybe_print
+from .cpu_half import cpu_half_fallback
 
 
 def _optimizers_of(optimizers):
@@ -88,15 +89,22 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     for o in opts:
         if not hasattr(o, "_amp_stash"):
             raise RuntimeError("amp.scale_loss: the optimizer was not passed to amp.initialize")
+    # The backward of a model that computes in half, on a CPU without fast half matmuls: through
+    # fp32 (cpu_half.py; a no-op elsewhere).
+    half_cpu = _amp_state.device_type == "cpu" and (
+        props.patch_torch_functions
+        or props.cast_model_type not in (None, torch.float32))
     # apex's fast path: nothing to scale or check (O0, static 1, no masters).
     if not props.master_weights and not scaler.dynamic and scaler.loss_scale() == 1.0:
-        yield loss.float()
+        with cpu_half_fallback(half_cpu):
+            yield loss.float()
         return
     if not delay_unscale:
         for o in opts:
             if not o._amp_stash.params_have_scaled_gradients:
                 _prepare_backward(o)
-    yield loss.float() * scaler.loss_scale()
+    with cpu_half_fallback(half_cpu):
+        yield loss.float() * scaler.loss_scale()
     if delay_unscale:
         for o in opts:
             o._amp_stash.params_have_scaled_gradients = True

@@ -1,0 +1,54 @@
+"""Half-precision matmuls through fp32 on CPUs without fast ones (apex-cpp's C++
+``apex::amp::CpuHalfFallbackGuard``, docs/amp.md).
+
+On a CPU without AVX512-BF16, AMX or AVX512-FP16 (every AVX2-only x86 CPU), torch multiplies
+bf16 and fp16 matrices in a scalar loop: ``torch.autocast("cpu")`` trains tens of times slower than
+fp32 there. In a ``cpu_half_fallback()`` scope, bf16/fp16 ``mm``, ``addmm``, ``bmm``,
+``baddbmm`` (so ``linear`` and ``matmul``), convolutions and the CPU flash attention run as torch's
+fp32 kernels on exactly widened inputs, their outputs rounded once to the half dtype. The scope
+belongs to the thread that opens it; where torch's half path is fast it does nothing, and
+``APEX_CPU_HALF_FALLBACK=0`` turns it off (``=1`` on, to compare). ``apex.amp`` opens it around the
+forward of the models it patched and around the backward inside ``scale_loss`` at O1-O3; code
+that casts its model itself opens it by hand::
+
+    model.to(torch.bfloat16)
+    with apex.amp.cpu_half_fallback():
+        loss = loss_fn(model(x), y)
+        loss.backward()
+"""
+import torch
+
+from apex._ops import ops
+
+_is_compiling = torch.compiler.is_compiling
+
+
+class cpu_half_fallback:  # noqa: N801 (a context manager, named like torch's)
+    """A scope in which this thread's half matmuls and convolutions on the CPU take the fp32
+    route (a no-op where it is not available, and inside ``torch.compile``, whose graphs do not
+    see it)."""
+
+    def __init__(self, enabled=True):
+        self.enabled = enabled
+        self._held = []
+
+    def __enter__(self):
+        self._held.append(bool(self.enabled) and not _is_compiling()
+                          and ops.cpu_half_fallback_enter())
+        return self
+
+    def __exit__(self, *exc):
+        if self._held.pop():
+            ops.cpu_half_fallback_exit()
+        return False
+
+
+def cpu_half_fallback_available():
+    """Whether the fp32 route is used on this CPU (decided once per process from cpuid and
+    ``APEX_CPU_HALF_FALLBACK``)."""
+    return ops.cpu_half_fallback_available()
+
+
+def cpu_half_fallback_active():
+    """Whether a scope is open in this thread and the route is in use."""
+    return ops.cpu_half_fallback_active()
