@@ -8,9 +8,12 @@ against torch in the same run, on the same threads.
   backward, over ``apex-bench norm``'s shapes (fp32 and bf16); a short call is repeated within
   each timed sample so that a sample lasts about 2 ms;
 * the per-call overhead of a tiny op through Python (``torch.ops.apex_cpp.multi_tensor_scale`` on
-  one element) against the same function called from C++ in the same process.
+  one element) against the same function called from C++ in the same process;
+* apex.amp's training step at O1 and O2 against O0 (fp32) on an MLP (``--only amp``; on CPUs
+  without fast half matmuls, the fp32 route of ``apex.amp.cpu_half_fallback``).
 
-Ours and the peer alternate, run by run; each reports its median.
+Ours and the peer alternate, run by run (amp's levels run one after another); each reports its
+median.
 """
 import argparse
 import json
@@ -150,6 +153,42 @@ def bench_overhead(repeats, rows):
                      added_us=(t_py - t_cpp) * 1e6))
 
 
+def bench_amp(repeats, warmup, rows):
+    """apex.amp's training step at O1 and O2 against O0 (fp32) on an MLP (2 x 256 -> 1024 -> GELU
+    -> 256, a classifier; batch 4096; FusedAdam). Levels run one after another, not alternately:
+    amp's state is global. On CPUs without fast half matmuls this measures the fp32 route."""
+    from apex import amp
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(0)
+    d = 256
+    x = torch.randn(4096, d, generator=g)
+    y = torch.randint(0, 10, (4096,), generator=g)
+    times = {}
+    for level in ("O0", "O1", "O2"):
+        torch.manual_seed(0)
+        layers = [m for _ in range(2) for m in (torch.nn.Linear(d, 4 * d), torch.nn.GELU(),
+                                                torch.nn.Linear(4 * d, d))]
+        model = torch.nn.Sequential(*layers, torch.nn.Linear(d, 10))
+        opt = FusedAdam(model.parameters(), lr=1e-3)
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+
+        def step():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x).float(), y)
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+
+        for _ in range(max(1, warmup)):
+            step()
+        times[level] = statistics.median(timed(step) for _ in range(repeats))
+    route = "fp32 route" if amp.cpu_half_fallback_available() else "torch's half path"
+    for level in ("O1", "O2"):
+        rows.append(dict(area="amp", model="mlp 4096x256", case=f"{level} step vs O0 ({route})",
+                         ours_ms=times[level] * 1e3, peer_ms=times["O0"] * 1e3,
+                         speedup=times["O0"] / times[level]))
+
+
 def keep_freed_memory():
     """As apex-bench does: glibc keeps freed blocks instead of unmapping them, so that every call
     does not fault a fresh output's pages in (which cost more than a norm over them, and varied
@@ -168,7 +207,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--only", choices=["optim", "norm", "overhead"], action="append")
+    p.add_argument("--only", choices=["optim", "norm", "overhead", "amp"], action="append")
     p.add_argument("--json")
     a = p.parse_args(argv)
     if not 0 <= a.threads <= 4096 or not 1 <= a.repeats <= 100000 or not 0 <= a.warmup <= 1000:
@@ -176,7 +215,7 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
     keep_freed_memory()
-    areas = a.only or ["optim", "norm", "overhead"]
+    areas = a.only or ["optim", "norm", "overhead", "amp"]
     rows = []
     if "optim" in areas:
         bench_adam(a.repeats, a.warmup, rows)
@@ -184,6 +223,8 @@ def main(argv=None):
         bench_norms(a.repeats, a.warmup, rows)
     if "overhead" in areas:
         bench_overhead(a.repeats, rows)
+    if "amp" in areas:
+        bench_amp(a.repeats, a.warmup, rows)
     print(f"python -m apex.bench  threads={torch.get_num_threads()} cpu_isa={ops.cpu_isa()} "
           f"torch={torch.__version__}")
     print(f"{'area':9} {'shape/model':18} {'case':44} {'ours ms':>9} {'peer ms':>9} {'speedup':>8}")

@@ -262,3 +262,16 @@ def test_amp_computes_through_fp32_where_half_is_slow(forced_fallback, opt_level
     assert all(active for _, active in during), during
     assert not amp.cpu_half_fallback_active()
     assert losses[-1] < 0.25 * losses[0]
+
+
+def test_bench_amp_area_runs(tmp_path):
+    """`python -m apex.bench --only amp` (issue 19's measurement from Python) runs and reports
+    O1 and O2 against O0."""
+    import json
+
+    from apex import bench
+    out = tmp_path / "amp.json"
+    bench.main(["--only", "amp", "--repeats", "1", "--warmup", "0", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["case"].split()[0] for r in rows] == ["O1", "O2"]
+    assert all(r["ours_ms"] > 0 and r["peer_ms"] > 0 for r in rows)
