@@ -224,10 +224,16 @@ def test_cpu_half_fallback_scope(forced_fallback):
         t = threading.Thread(target=lambda: seen.append(amp.cpu_half_fallback_active()))
         t.start()
         t.join()
-        mm = a @ b
+        with torch.profiler.profile() as prof:
+            mm = a @ b
         lin = F.linear(a, b.t())
         conv = F.conv2d(img, w, padding=1)
     assert seen == [False]
+    # The route ran: the operands were widened (aten::_to_copy); outside the scope they are not.
+    assert "aten::_to_copy" in {e.name for e in prof.events()}
+    with torch.profiler.profile() as prof:
+        a @ b
+    assert "aten::_to_copy" not in {e.name for e in prof.events()}
     assert not amp.cpu_half_fallback_active()
     torch.testing.assert_close(mm, (a.float() @ b.float()).bfloat16(), rtol=0, atol=0)
     torch.testing.assert_close(lin, F.linear(a.float(), b.t().float()).bfloat16(), rtol=0, atol=0)
@@ -264,14 +270,18 @@ def test_amp_computes_through_fp32_where_half_is_slow(forced_fallback, opt_level
     assert losses[-1] < 0.25 * losses[0]
 
 
-def test_bench_amp_area_runs(tmp_path):
+def test_bench_amp_area_runs():
     """`python -m apex.bench --only amp` (issue 19's measurement from Python) runs and reports
     O1 and O2 against O0."""
     import json
 
     from apex import bench
-    out = tmp_path / "amp.json"
-    bench.main(["--only", "amp", "--repeats", "1", "--warmup", "0", "--json", str(out)])
-    rows = json.loads(out.read_text())["rows"]
+    model, opt = model_and_opt()
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    before = dict(amp._amp_state.__dict__)
+    rows = []
+    bench.bench_amp(1, 0, rows)  # not bench.main: it would change this process's malloc settings
     assert [r["case"].split()[0] for r in rows] == ["O1", "O2"]
     assert all(r["ours_ms"] > 0 and r["peer_ms"] > 0 for r in rows)
+    assert amp._amp_state.__dict__ == before  # the caller's amp state is back
+    assert json.dumps(rows)

@@ -174,8 +174,17 @@ _COMPILED_AUTOGRAD = """
 import torch
 from torch._dynamo import compiled_autograd
 from apex.normalization import FusedLayerNorm, FusedRMSNorm
+from apex.normalization.fused_layer_norm import FusedLayerNormAffineFunction
+class ByFunction(torch.nn.Module):  # Megatron's call: apex's Function
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.rand(16) + 0.5)
+        self.b = torch.nn.Parameter(torch.randn(16))
+    def forward(self, x):
+        return FusedLayerNormAffineFunction.apply(x, self.w, self.b, (16,), 1e-5)
 torch.manual_seed(0)
-m = torch.nn.Sequential(torch.nn.Linear(16, 16), FusedLayerNorm(16), FusedRMSNorm(16))
+m = torch.nn.Sequential(torch.nn.Linear(16, 16), FusedLayerNorm(16), ByFunction(),
+                        FusedRMSNorm(16))
 x = torch.randn(4, 16)
 m(x).square().sum().backward()
 eager = [p.grad.clone() for p in m.parameters()]
@@ -195,8 +204,9 @@ print("traced")
 
 @pytest.mark.parametrize("eager_route", ["1", "0"])
 def test_compiled_autograd(eager_route):
-    """Compiled autograd traces the modules' traceable route (APEX_NORM_EAGER_AUTOGRAD=0) to the
-    eager gradients; over the library's node (the default) it fails saying what to set."""
+    """Compiled autograd traces the modules' traceable route and apex's Functions' own node
+    (APEX_NORM_EAGER_AUTOGRAD=0) to the eager gradients; over the library's node (the default) it
+    fails saying what to set."""
     import os
     import subprocess
     import sys
@@ -345,7 +355,9 @@ def test_functions_apply_directly_in_eager_mode(name, args, memory_efficient):
     tensors = [x] + ([w] if "w" in args else []) + ([b] if "b" in args else [])
     rest = [(40,), 1e-5] + ([] if memory_efficient is None else [memory_efficient])
     y = cls.apply(*tensors, *rest)
-    assert y.grad_fn.name().startswith("Fused")  # the library's node, not <name>Backward
+    # the library's node, not <name>Backward
+    assert y.grad_fn.name() == ("FusedRMSNormBackward" if "RMS" in name
+                                else "FusedLayerNormBackward")
     ref = torch.autograd.Function.apply.__func__(cls, *tensors, *rest)
     assert ref.grad_fn.name() == name + "Backward"
     torch.testing.assert_close(y, ref, rtol=0, atol=0)
@@ -371,6 +383,13 @@ def test_functions_apply_keeps_apex_semantics():
     y2 = Doubled.apply(x, w, b, (16,), 1e-5)
     assert y2.grad_fn.name() == "DoubledBackward"
     torch.testing.assert_close(y2, 2 * y)
+
+    class OwnBackward(fln.FusedLayerNormAffineFunction):  # a subclass takes the Function
+        @staticmethod
+        def backward(ctx, grad_output):
+            return (None,) * 6
+
+    assert OwnBackward.apply(x, w, b, (16,), 1e-5).grad_fn.name() == "OwnBackwardBackward"
     # Keyword arguments go to the Function (torch 2.11's apply refuses them; 2.13's takes them).
     kw = dict(normalized_shape=(16,), eps=1e-5)
     try:

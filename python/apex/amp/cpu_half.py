@@ -16,6 +16,8 @@ that casts its model itself opens it by hand::
         loss = loss_fn(model(x), y)
         loss.backward()
 """
+import threading
+
 import torch
 
 from apex._ops import ops
@@ -30,15 +32,16 @@ class cpu_half_fallback:  # noqa: N801 (a context manager, named like torch's)
 
     def __init__(self, enabled=True):
         self.enabled = enabled
-        self._held = []
+        self._local = threading.local()  # what each entry took, per thread (one object may be
+        # shared between threads, each with scopes of its own)
 
     def __enter__(self):
-        self._held.append(bool(self.enabled) and not _is_compiling()
-                          and ops.cpu_half_fallback_enter())
+        held = self._local.__dict__.setdefault("held", [])
+        held.append(bool(self.enabled) and not _is_compiling() and ops.cpu_half_fallback_enter())
         return self
 
     def __exit__(self, *exc):
-        if self._held.pop():
+        if self._local.held.pop():
             ops.cpu_half_fallback_exit()
         return False
 

@@ -9,6 +9,7 @@ without a graph break. Statistics and math are fp32 whatever the storage dtype; 
 take a float64 path (gradcheck).
 """
 import numbers
+import os
 
 import torch
 from torch.nn import init
@@ -143,19 +144,24 @@ class FusedRMSNormFunction(torch.autograd.Function):
         return _function_backward(ctx, grad_output)[0], None, None, None
 
 
+# APEX_NORM_EAGER_AUTOGRAD=0 (for compiled autograd, which cannot trace the library's node) also
+# sends apex's Functions through their own Python node, which it traces.
+_EAGER_AUTOGRAD = os.environ.get("APEX_NORM_EAGER_AUTOGRAD") != "0"
+
+
 def _eager_apply(owner, rms, mixed, has_weight, has_bias):
     """`owner.apply`: in eager mode the output of apex_cpp::fused_norm_fwd, called directly (the
     library's autograd node, as the modules get; ~14 us less per forward + backward than a Python
     Function, which Megatron's FusedLayerNorm calls per layer); the Function itself under
-    torch.compile, for subclasses that redefine `forward`, keyword arguments, tensor subclasses
-    and torch function modes. fused_norm_fwd has no autocast rule, as apex's Functions have none.
+    torch.compile, for subclasses (whatever they redefine), keyword arguments, tensor subclasses,
+    torch function modes and with APEX_NORM_EAGER_AUTOGRAD=0. fused_norm_fwd has no autocast
+    rule, as apex's Functions have none.
     """
-    forward = owner.forward
     n = 3 + has_weight + has_bias  # input, [weight], [bias], normalized_shape, eps
 
     def apply(cls, *args, **kwargs):
-        if (_direct_fwd is not None and not kwargs and n <= len(args) <= n + 1
-                and cls.forward is forward and not _is_compiling()):
+        if (_direct_fwd is not None and _EAGER_AUTOGRAD and cls is owner and not kwargs
+                and n <= len(args) <= n + 1 and not _is_compiling()):
             y = _direct_fwd(args[0], _shape(args[n - 2]), args[1] if has_weight else None,
                             args[2] if has_bias else None, float(args[n - 1]), rms, mixed,
                             bool(args[n]) if len(args) > n else False)
