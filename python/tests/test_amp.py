@@ -224,16 +224,16 @@ def test_cpu_half_fallback_scope(forced_fallback):
         t = threading.Thread(target=lambda: seen.append(amp.cpu_half_fallback_active()))
         t.start()
         t.join()
-        with torch.profiler.profile() as prof:
+        with torch.autograd.profiler.profile() as prof:
             mm = a @ b
         lin = F.linear(a, b.t())
         conv = F.conv2d(img, w, padding=1)
     assert seen == [False]
     # The route ran: the operands were widened (aten::_to_copy); outside the scope they are not.
-    assert "aten::_to_copy" in {e.name for e in prof.events()}
-    with torch.profiler.profile() as prof:
+    assert "aten::_to_copy" in {e.name for e in prof.function_events}
+    with torch.autograd.profiler.profile() as prof:
         a @ b
-    assert "aten::_to_copy" not in {e.name for e in prof.events()}
+    assert "aten::_to_copy" not in {e.name for e in prof.function_events}
     assert not amp.cpu_half_fallback_active()
     torch.testing.assert_close(mm, (a.float() @ b.float()).bfloat16(), rtol=0, atol=0)
     torch.testing.assert_close(lin, F.linear(a.float(), b.t().float()).bfloat16(), rtol=0, atol=0)
