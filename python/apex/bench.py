@@ -166,7 +166,24 @@ def bench_amp(repeats, warmup, rows):
     times = {}
     saved_state = dict(amp._amp_state.__dict__)  # amp's state is global: the caller's comes back
     try:
-        _amp_levels(amp, F, d, x, y, warmup, repeats, times)
+        for level in ("O0", "O1", "O2"):
+            torch.manual_seed(0)
+            layers = [m for _ in range(2) for m in (torch.nn.Linear(d, 4 * d), torch.nn.GELU(),
+                                                    torch.nn.Linear(4 * d, d))]
+            model = torch.nn.Sequential(*layers, torch.nn.Linear(d, 10))
+            opt = FusedAdam(model.parameters(), lr=1e-3)
+            model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+
+            def step(model=model, opt=opt):
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x).float(), y)
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+                opt.step()
+
+            for _ in range(max(1, warmup)):
+                step()
+            times[level] = statistics.median(timed(step) for _ in range(repeats))
     finally:
         amp._amp_state.__dict__.clear()
         amp._amp_state.__dict__.update(saved_state)
@@ -175,27 +192,6 @@ def bench_amp(repeats, warmup, rows):
         rows.append(dict(area="amp", model="mlp 4096x256", case=f"{level} step vs O0 ({route})",
                          ours_ms=times[level] * 1e3, peer_ms=times["O0"] * 1e3,
                          speedup=times["O0"] / times[level]))
-
-
-def _amp_levels(amp, F, d, x, y, warmup, repeats, times):
-    for level in ("O0", "O1", "O2"):
-        torch.manual_seed(0)
-        layers = [m for _ in range(2) for m in (torch.nn.Linear(d, 4 * d), torch.nn.GELU(),
-                                                torch.nn.Linear(4 * d, d))]
-        model = torch.nn.Sequential(*layers, torch.nn.Linear(d, 10))
-        opt = FusedAdam(model.parameters(), lr=1e-3)
-        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
-
-        def step():
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x).float(), y)
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-            opt.step()
-
-        for _ in range(max(1, warmup)):
-            step()
-        times[level] = statistics.median(timed(step) for _ in range(repeats))
 
 
 def keep_freed_memory():

@@ -91,6 +91,12 @@ std::unordered_set<const torch::optim::Optimizer*>& registry() {
   return r;
 }
 
+// Whether amp is on and the model computes in half: autocast (O1) or a half model (O2, O3).
+bool computes_in_half(const Properties& p) {
+  return p.enabled &&
+         (p.patch_torch_functions || (p.cast_model_type && *p.cast_model_type != at::kFloat));
+}
+
 }  // namespace
 
 AmpState::~AmpState() {
@@ -369,10 +375,7 @@ void ScaledLoss::backward(bool retain_graph) {
               "start a new scope for another backward pass");
   {
     // The backward of half matmuls, on CPUs without fast ones (no-op elsewhere).
-    const auto& p = state_->props;
-    const CpuHalfFallbackGuard half_fallback(
-        p.enabled &&
-        (p.patch_torch_functions || (p.cast_model_type && *p.cast_model_type != at::kFloat)));
+    const CpuHalfFallbackGuard half_fallback(detail::computes_in_half(state_->props));
     scaled_.backward({}, retain_graph);
   }
   backward_done_ = true;
@@ -552,11 +555,7 @@ Amp& Amp::operator=(Amp&&) noexcept = default;
 
 const Properties& Amp::properties() const { return state_->props; }
 
-bool Amp::computes_in_half() const {
-  const auto& p = state_->props;
-  return p.enabled &&
-         (p.patch_torch_functions || (p.cast_model_type && *p.cast_model_type != at::kFloat));
-}
+bool Amp::computes_in_half() const { return detail::computes_in_half(state_->props); }
 
 bool Amp::autocast_enabled() const {
   return state_->props.enabled && state_->props.patch_torch_functions;

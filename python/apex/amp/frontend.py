@@ -30,6 +30,10 @@ class Properties:
     def __repr__(self):
         return "\n".join(f"{k:22}: {v}" for k, v in self.__dict__.items())
 
+    def computes_in_half(self):
+        """Whether the model computes in half: autocast (O1) or a half model (O2, O3)."""
+        return self.patch_torch_functions or self.cast_model_type not in (None, torch.float32)
+
 
 # apex's opt-level table: what each level sets before any override.
 _LEVELS = {
@@ -302,7 +306,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         for m in models_list:
             if props.cast_model_type is not None and props.cast_model_type != torch.float32:
                 _cast_model(m, props.cast_model_type, props.keep_batchnorm_fp32)
-            if props.patch_torch_functions or (props.cast_model_type not in (None, torch.float32)):
+            if props.computes_in_half():
                 _patch_forward(m, props, device_type)
         for o in optimizers_list:
             _patch_optimizer(o, props)

@@ -91,9 +91,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
             raise RuntimeError("amp.scale_loss: the optimizer was not passed to amp.initialize")
     # The backward of a model that computes in half, on a CPU without fast half matmuls: through
     # fp32 (cpu_half.py; a no-op elsewhere).
-    half_cpu = _amp_state.device_type == "cpu" and (
-        props.patch_torch_functions
-        or props.cast_model_type not in (None, torch.float32))
+    half_cpu = _amp_state.device_type == "cpu" and props.computes_in_half()
     # apex's fast path: nothing to scale or check (O0, static 1, no masters).
     if not props.master_weights and not scaler.dynamic and scaler.loss_scale() == 1.0:
         with cpu_half_fallback(half_cpu):

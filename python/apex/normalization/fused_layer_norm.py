@@ -50,14 +50,19 @@ def _shape(normalized_shape):
     return [int(d) for d in normalized_shape]
 
 
-def _norm(input, weight, bias, normalized_shape, eps, rms, mixed, memory_efficient):
-    # Under autocast the op casts its floating-point tensors to the autocast dtype and runs
-    # without autocast (apex's rule for its fused functions).
-    args = (input, _shape(normalized_shape), weight, bias, float(eps), rms, mixed,
-            bool(memory_efficient))
+def _run(*args):
+    """apex_cpp::fused_norm(input, shape, weight, bias, eps, rms, mixed, memory_efficient): through
+    the direct entry in eager mode, torch.ops where it is absent or traced."""
     if _direct is None or _is_compiling():
         return _norm_call(*args)
     return _direct(_norm_call, *args)
+
+
+def _norm(input, weight, bias, normalized_shape, eps, rms, mixed, memory_efficient):
+    # Under autocast the op casts its floating-point tensors to the autocast dtype and runs
+    # without autocast (apex's rule for its fused functions).
+    return _run(input, _shape(normalized_shape), weight, bias, float(eps), rms, mixed,
+                bool(memory_efficient))
 
 
 # ---- autograd Functions (apex's classes, over the same forward and backward ops) ----------------
@@ -255,11 +260,8 @@ class FusedLayerNorm(_FusedNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, memory_efficient, True)
 
     def forward(self, input):
-        if _direct is None or _is_compiling():
-            return _norm_call(input, self._shape_list, self.weight, self.bias, self.eps, False,
-                              False, self.memory_efficient)
-        return _direct(_norm_call, input, self._shape_list, self.weight, self.bias, self.eps,
-                       False, False, self.memory_efficient)
+        return _run(input, self._shape_list, self.weight, self.bias, self.eps, False, False,
+                    self.memory_efficient)
 
 
 class FusedRMSNorm(_FusedNorm):
@@ -271,11 +273,8 @@ class FusedRMSNorm(_FusedNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, memory_efficient, False)
 
     def forward(self, input):
-        if _direct is None or _is_compiling():
-            return _norm_call(input, self._shape_list, self.weight, None, self.eps, True, False,
-                              self.memory_efficient)
-        return _direct(_norm_call, input, self._shape_list, self.weight, None, self.eps, True,
-                       False, self.memory_efficient)
+        return _run(input, self._shape_list, self.weight, None, self.eps, True, False,
+                    self.memory_efficient)
 
 
 def _always_affine(name, kwargs):
