@@ -252,6 +252,36 @@ def test_cpu_half_fallback_scope(forced_fallback):
         torch.ops.apex_cpp.cpu_half_fallback_exit()
 
 
+def _ordinal(t):
+    """Each 16-bit float's position on the number line (neighbours differ by one, -0 == +0)."""
+    b = t.view(torch.int16).to(torch.int32)
+    return torch.where(b < 0, -(b & 0x7FFF), b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_half_fallback_gelu(forced_fallback, dtype):
+    """GELU of half tensors in the scope: every finite value within one unit in the last place of
+    float64's x * Phi(x) (torch's own half kernel is not, in the negative tail), and its backward
+    through autograd as the library computes it."""
+    import math
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    want = torch.tensor([v * 0.5 * math.erfc(-v / math.sqrt(2)) for v in x.double().tolist()],
+                        dtype=torch.float64)
+    finite = torch.isfinite(want)
+    xr = x.clone().requires_grad_()
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with amp.cpu_half_fallback():
+        y = F.gelu(xr)
+        y.backward(g)
+        dx = torch.ops.aten.gelu_backward(g, x)
+    off = (_ordinal(y.detach()) - _ordinal(want.to(dtype))).abs()
+    assert off[finite].max().item() <= 1
+    torch.testing.assert_close(y.detach()[~finite].double(), want[~finite], equal_nan=True)
+    theirs = (_ordinal(F.gelu(x)) - _ordinal(want.to(dtype))).abs()
+    assert theirs[finite].max().item() > 1  # why the route has its own GELU
+    torch.testing.assert_close(xr.grad, dx, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_amp_computes_through_fp32_where_half_is_slow(forced_fallback, opt_level):
     """apex.amp opens the scope around the patched forward and the backward in scale_loss, and

@@ -1,8 +1,8 @@
-// The interface of the per-ISA CPU kernels. multi_tensor_kernels.cpp and norm_kernels.cpp are
-// compiled once per instruction set (the list: cmake/ApexCpuIsa.cmake, generated into
-// kernels/cpu/isa_list.h), each filling its table by name; their helpers (vec.h) live in a
-// namespace per ISA and their kernels at internal linkage, so no function compiled for a wider
-// ISA can reach a narrower table through the linker. The drivers (multi_tensor_cpu.cpp,
+// The interface of the per-ISA CPU kernels. multi_tensor_kernels.cpp, norm_kernels.cpp and
+// lookup_kernels.cpp are compiled once per instruction set (the list: cmake/ApexCpuIsa.cmake,
+// generated into kernels/cpu/isa_list.h), each filling its table by name; their helpers (vec.h)
+// live in a namespace per ISA and their kernels at internal linkage, so no function compiled for a
+// wider ISA can reach a narrower table through the linker. The drivers (multi_tensor_cpu.cpp,
 // norm_cpu.cpp, batch_norm_cpu.cpp) split the work and call these functions on one chunk, range
 // of rows or block each; pointers are already offset to the chunk's first element.
 #pragma once
@@ -98,11 +98,23 @@ struct NormKernels {
   bool bf16_unpacked;
 };
 
+/// Unary functions of bf16/fp16 elements by table lookup, of one instruction set
+/// (lookup_kernels.cpp; the tables: activation_cpu.cpp).
+struct LookupKernels {
+  /// y[i] = table[x[i]] for n 16-bit elements; the table has 65536 + 1 entries (the gathers read
+  /// 32 bits at a time: the last entry is padding).
+  void (*map16)(const uint16_t* x, uint16_t* y, int64_t n, const uint16_t* table);
+  /// dx[i] = g[i] * table[x[i]] in fp32, rounded to nearest even in t (bf16 or fp16).
+  void (*scale16)(const uint16_t* g, const uint16_t* x, uint16_t* dx, int64_t n, const float* table,
+                  DType t);
+};
+
 /// Every kernel table of one instruction set.
 struct CpuKernels {
   const char* isa;  ///< its name, as APEX_CPU_ISA takes it
   const MultiTensorKernels* multi_tensor;
   const NormKernels* norm;
+  const LookupKernels* lookup;
 };
 
 /// The kernels of the widest instruction set this CPU has (APEX_CPU_ISA may force a narrower
@@ -112,7 +124,8 @@ const CpuKernels& cpu_kernels();
 // One getter per table and ISA, defined by the per-ISA objects (the list: isa_list.h).
 #define APEX_DECLARE_ISA_TABLES(name, runs)                \
   const MultiTensorKernels& multi_tensor_kernels_##name(); \
-  const NormKernels& norm_kernels_##name();
+  const NormKernels& norm_kernels_##name();                \
+  const LookupKernels& lookup_kernels_##name();
 APEX_FOR_EACH_CPU_ISA(APEX_DECLARE_ISA_TABLES)
 #undef APEX_DECLARE_ISA_TABLES
 

@@ -33,8 +33,10 @@ struct IsaEntry {
 CpuKernels select_kernels() {
   __builtin_cpu_init();
   // Narrowest first: APEX_CPU_ISA picks the widest table up to the named one that this CPU runs.
-#define APEX_ISA_ENTRY(name, runs) \
-  IsaEntry{#name, runs, CpuKernels{#name, &multi_tensor_kernels_##name(), &norm_kernels_##name()}},
+#define APEX_ISA_ENTRY(name, runs)                                                   \
+  IsaEntry{#name, runs,                                                              \
+           CpuKernels{#name, &multi_tensor_kernels_##name(), &norm_kernels_##name(), \
+                      &lookup_kernels_##name()}},
   const IsaEntry entries[] = {APEX_FOR_EACH_CPU_ISA(APEX_ISA_ENTRY)};
 #undef APEX_ISA_ENTRY
   const size_t count = std::size(entries);

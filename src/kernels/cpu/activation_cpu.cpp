@@ -1,0 +1,120 @@
+// CPU driver of the activations of bf16/fp16 tensors: the function's tables, built in fp64 on
+// first use, and contiguous ranges in parallel on ATen's thread pool, each by the lookup kernels
+// of the best instruction set (kernels/cpu/isa.h). Elementwise: the result does not depend on the
+// split.
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+
+#include "kernels/activation.h"
+#include "kernels/cpu/isa.h"
+
+namespace apex::kernels::cpu {
+namespace {
+
+// Elements per task: a few microseconds of lookups, so small tensors stay on the calling thread.
+constexpr int64_t kGrain = 32768;
+constexpr int64_t kPatterns = 65536;
+
+struct Tables {
+  std::array<uint16_t, kPatterns + 1> y{};  // f(x), rounded to the dtype; one entry of padding
+  std::array<float, kPatterns> dy{};        // f'(x), rounded to fp32
+};
+
+double value_of(uint16_t bits, DType t) {
+  if (t == DType::kBFloat16) {
+    const uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// v rounded to nearest even in t, correctly: through fp32 rounded to odd (the inexact fp32 result
+// gets an odd last bit), which keeps every tie of the 16-bit format a tie only where v is one.
+uint16_t round_to(double v, DType t) {
+  float f = static_cast<float>(v);
+  if (std::isfinite(v) && static_cast<double>(f) != v) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 1) == 0) {
+      f = std::nextafter(f, static_cast<double>(f) < v ? INFINITY : -INFINITY);
+    }
+  }
+  if (t == DType::kFloat16) return c10::Half(f).x;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return 0x7fc0;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// gelu and gelu' in fp64: x Phi(x) with Phi(x) = erfc(-x / sqrt 2) / 2 (exact form), or the tanh
+// form and its derivative. 0.5 (1 + tanh(u)) is evaluated as sigma(2u) = 1 / (1 + exp(-2u)),
+// which does not cancel where tanh(u) is near -1 (x < -3), and 1 - sigma(2u) as exp(-2u) sigma(2u).
+void gelu64(double x, bool tanh, double& y, double& dy) {
+  if (tanh) {
+    constexpr double kScale = 0.79788456080286535588;  // sqrt(2 / pi)
+    constexpr double kCubic = 0.044715;
+    const double u = kScale * (x + kCubic * x * x * x);
+    const double e = std::exp(-2.0 * u);
+    const double s = 1.0 / (1.0 + e);
+    const double one_minus_s = std::isinf(e) ? 1.0 : e * s;
+    y = x * s;
+    dy = s + 2.0 * x * s * one_minus_s * kScale * (1.0 + 3.0 * kCubic * x * x);
+    return;
+  }
+  const double phi = 0.5 * std::erfc(-x * 0.70710678118654752440);
+  y = x * phi;
+  dy = phi + x * std::exp(-0.5 * x * x) * 0.39894228040143267794;  // + x * pdf(x)
+}
+
+const Tables& gelu_tables(DType t, bool tanh) {
+  TORCH_CHECK(t == DType::kBFloat16 || t == DType::kFloat16,
+              "apex gelu kernels: expected bf16 or fp16 elements");
+  static std::once_flag once[2][2];
+  static std::unique_ptr<Tables> tables[2][2];
+  const int d = t == DType::kBFloat16 ? 0 : 1;
+  const int f = tanh ? 1 : 0;
+  std::call_once(once[d][f], [&] {
+    auto tb = std::make_unique<Tables>();
+    for (int64_t i = 0; i < kPatterns; ++i) {
+      double y, dy;
+      gelu64(value_of(static_cast<uint16_t>(i), t), tanh, y, dy);
+      tb->y[static_cast<size_t>(i)] = round_to(y, t);
+      tb->dy[static_cast<size_t>(i)] = static_cast<float>(dy);
+    }
+    tables[d][f] = std::move(tb);
+  });
+  return *tables[d][f];
+}
+
+const uint16_t* at16(const void* p, int64_t i) { return static_cast<const uint16_t*>(p) + i; }
+uint16_t* at16(void* p, int64_t i) { return static_cast<uint16_t*>(p) + i; }
+
+}  // namespace
+
+void gelu(const void* x, void* y, DType t, int64_t n, bool tanh) {
+  const Tables& tb = gelu_tables(t, tanh);
+  const auto* k = cpu_kernels().lookup;
+  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+    k->map16(at16(x, b), at16(y, b), e - b, tb.y.data());
+  });
+}
+
+void gelu_backward(const void* g, const void* x, void* dx, DType t, int64_t n, bool tanh) {
+  const Tables& tb = gelu_tables(t, tanh);
+  const auto* k = cpu_kernels().lookup;
+  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+    k->scale16(at16(g, b), at16(x, b), at16(dx, b), e - b, tb.dy.data(), t);
+  });
+}
+
+}  // namespace apex::kernels::cpu

@@ -1,0 +1,186 @@
+// GELU on the CPU half-precision route: every bf16 and fp16 value, both forms, forward and
+// backward, against a long-double reference (one unit in the last place at most; the forward is
+// correctly rounded, the reference's conversion may not be); LibTorch's kernel outside the scope,
+// for fp32, for layouts the route does not take; strides kept; autograd through it. Run once per
+// kernel ISA (tests/amp/CMakeLists.txt).
+#include <ATen/ops/gelu_backward_cpu_dispatch.h>
+#include <ATen/ops/gelu_cpu_dispatch.h>
+#include <apex/amp/cpu_half.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "amp_test_util.h"
+
+namespace {
+
+using apex::amp::CpuHalfFallbackGuard;
+
+struct ForceAvailable {
+  ForceAvailable() { apex::amp::detail::force_cpu_half_fallback_available(true); }
+  ~ForceAvailable() { apex::amp::detail::force_cpu_half_fallback_available(std::nullopt); }
+};
+
+// Every bit pattern of a 16-bit dtype, once.
+at::Tensor all_patterns(at::ScalarType t) {
+  return at::arange(-32768, 32768, at::kInt).to(at::kShort).view(t);
+}
+
+long double gelu_ref(long double x, bool tanh, long double* derivative) {
+  if (tanh) {
+    // 0.5 (1 + tanh(u)) written as 1 / (1 + exp(-2u)): the same function without the
+    // cancellation of 1 + tanh(u) for u << 0.
+    const long double k = std::sqrt(2.0L / 3.14159265358979323846264338327950288L);
+    const long double u = k * (x + 0.044715L * x * x * x);
+    const long double s = 1 / (1 + std::exp(-2 * u));
+    const long double ds = std::exp(-2 * u) * s * s;  // sigma'(2u), finite where exp overflows
+    *derivative = s + 2 * x * k * (1 + 3 * 0.044715L * x * x) * (std::isnan(ds) ? 0 : ds);
+    return x * s;
+  }
+  const long double phi = 0.5L * std::erfc(-x / std::sqrt(2.0L));
+  *derivative =
+      phi + x * std::exp(-x * x / 2) / std::sqrt(2 * 3.14159265358979323846264338327950288L);
+  return x * phi;
+}
+
+// The reference over x's values: gelu (want_y) and g * gelu' (want_dx), in fp64.
+void reference(const at::Tensor& x, const at::Tensor& g, bool tanh, at::Tensor& want_y,
+               at::Tensor& want_dx) {
+  const at::Tensor xd = x.to(at::kDouble);
+  const at::Tensor gd = g.to(at::kDouble);
+  want_y = at::empty_like(xd);
+  want_dx = at::empty_like(xd);
+  const double* xs = xd.const_data_ptr<double>();
+  const double* gs = gd.const_data_ptr<double>();
+  double* ys = want_y.mutable_data_ptr<double>();
+  double* dxs = want_dx.mutable_data_ptr<double>();
+  for (int64_t i = 0; i < xd.numel(); ++i) {
+    long double d;
+    ys[i] = static_cast<double>(gelu_ref(xs[i], tanh, &d));
+    dxs[i] = static_cast<double>(gs[i] * d);
+  }
+}
+
+// Position of a 16-bit float on the number line (adjacent values differ by one; +0 and -0 are 0).
+int32_t ordinal(int16_t bits) {
+  return bits < 0 ? -static_cast<int32_t>(bits & 0x7fff) : static_cast<int32_t>(bits);
+}
+
+// got (16-bit) is want64 rounded to got's dtype within one unit in the last place: NaN exactly
+// where want64 is NaN, infinities equal.
+::testing::AssertionResult within_one_step(const at::Tensor& got, const at::Tensor& want64) {
+  const at::Tensor want = want64.to(got.scalar_type()).contiguous();
+  const at::Tensor gc = got.contiguous();
+  const auto* gb = static_cast<const int16_t*>(gc.const_data_ptr());
+  const auto* wb = static_cast<const int16_t*>(want.const_data_ptr());
+  const double* w64 = want64.const_data_ptr<double>();
+  const at::Tensor g64 = gc.to(at::kDouble);
+  const double* gv = g64.const_data_ptr<double>();
+  int64_t bad = 0;
+  int64_t first = -1;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    bool ok;
+    if (std::isnan(w64[i])) {
+      ok = std::isnan(gv[i]);
+    } else if (std::isnan(gv[i])) {
+      ok = false;
+    } else {
+      ok = std::abs(ordinal(gb[i]) - ordinal(wb[i])) <= 1;
+    }
+    if (!ok && bad++ == 0) first = i;
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << bad << " of " << got.numel() << " elements more than one unit off; first: element "
+         << first << ", got " << gv[first] << ", want " << w64[first];
+}
+
+const char* form(bool tanh) { return tanh ? "tanh" : "none"; }
+
+}  // namespace
+
+TEST(CpuHalfGelu, EveryValueWithinOneUnit) {
+  const ForceAvailable force;
+  for (const auto t : {at::kBFloat16, at::kHalf}) {
+    for (const bool tanh : {false, true}) {
+      SCOPED_TRACE(std::string(c10::toString(t)) + " approximate=" + form(tanh));
+      const at::Tensor x = all_patterns(t);
+      const at::Tensor g = at::randn({x.numel()}, at::detail::createCPUGenerator(7)).to(t);
+      at::Tensor want_y, want_dx;
+      reference(x, g, tanh, want_y, want_dx);
+      at::Tensor y, dx;
+      {
+        const CpuHalfFallbackGuard on;
+        y = at::gelu(x, form(tanh));
+        dx = at::gelu_backward(g, x, form(tanh));
+      }
+      EXPECT_EQ(y.scalar_type(), t);
+      EXPECT_TRUE(within_one_step(y, want_y));
+      EXPECT_TRUE(within_one_step(dx, want_dx));
+      // More accurate than LibTorch's own half kernel, which cancels in the negative tail.
+      const at::Tensor theirs = at::cpu::gelu(x, form(tanh)).to(at::kDouble);
+      const at::Tensor finite = want_y.isfinite();
+      const double ours_err =
+          (y.to(at::kDouble) - want_y).abs().masked_select(finite).max().item<double>();
+      const double their_err = (theirs - want_y).abs().masked_select(finite).max().item<double>();
+      EXPECT_LE(ours_err, their_err);
+    }
+  }
+}
+
+TEST(CpuHalfGelu, LibTorchsKernelWhereTheRouteDoesNotApply) {
+  const ForceAvailable force;
+  const at::Tensor x = at::randn({64, 48}, at::detail::createCPUGenerator(3)) * 3;
+  const at::Tensor xb = x.to(at::kBFloat16);
+  // Outside the scope, and for fp32 inside it: LibTorch's result, bit for bit.
+  EXPECT_TRUE(at::equal(at::gelu(xb), at::cpu::gelu(xb)));
+  {
+    const CpuHalfFallbackGuard on;
+    EXPECT_TRUE(at::equal(at::gelu(x), at::cpu::gelu(x)));
+    EXPECT_TRUE(at::equal(at::gelu_backward(x, x * 2), at::cpu::gelu_backward(x, x * 2)));
+    // Not dense (every other column): LibTorch's kernel.
+    const at::Tensor strided = xb.slice(1, 0, 48, 2);
+    EXPECT_TRUE(at::equal(at::gelu(strided), at::cpu::gelu(strided)));
+    // An approximate mode LibTorch refuses: its error.
+    EXPECT_THROW(at::gelu(xb, "sigmoid"), c10::Error);
+    // Empty.
+    EXPECT_EQ(at::gelu(xb.slice(0, 0, 0)).numel(), 0);
+  }
+}
+
+TEST(CpuHalfGelu, KeepsTheLayoutOfDenseInputs) {
+  const ForceAvailable force;
+  const CpuHalfFallbackGuard on;
+  const at::Tensor x =
+      (at::randn({2, 5, 6, 7}, at::detail::createCPUGenerator(4)) * 2).to(at::kHalf);
+  const at::Tensor want = at::gelu(x);
+  for (const at::Tensor& v : {x.contiguous(at::MemoryFormat::ChannelsLast), x.transpose(1, 3)}) {
+    const at::Tensor y = at::gelu(v);
+    EXPECT_EQ(y.strides(), v.strides());
+    EXPECT_TRUE(
+        at::equal(y.contiguous(),
+                  (v.is_contiguous(at::MemoryFormat::ChannelsLast) ? want : want.transpose(1, 3))
+                      .contiguous()));
+    const at::Tensor g = at::ones_like(v);
+    EXPECT_TRUE(at::equal(at::gelu_backward(g, v).contiguous(),
+                          at::gelu_backward(g.contiguous(), v.contiguous())));
+  }
+  // A gradient laid out differently from the input: LibTorch's kernel, the same values.
+  const at::Tensor g = at::randn_like(x);
+  const at::Tensor xl = x.contiguous(at::MemoryFormat::ChannelsLast);
+  EXPECT_TRUE(at::allclose(at::gelu_backward(g, xl).to(at::kFloat),
+                           at::gelu_backward(g, x).to(at::kFloat), 1e-2, 1e-3));
+}
+
+TEST(CpuHalfGelu, AutogradThroughTheRoute) {
+  const ForceAvailable force;
+  const at::Tensor x =
+      (at::randn({300}, at::detail::createCPUGenerator(5)) * 3).to(at::kBFloat16).requires_grad_();
+  const at::Tensor g = at::randn({300}, at::detail::createCPUGenerator(6)).to(at::kBFloat16);
+  const CpuHalfFallbackGuard on;
+  at::gelu(x, "tanh").backward(g);
+  EXPECT_TRUE(at::equal(x.grad(), at::gelu_backward(g, x.detach(), "tanh")));
+  at::Tensor want_y, want_dx;
+  reference(x.detach(), g, true, want_y, want_dx);
+  EXPECT_TRUE(within_one_step(x.grad(), want_dx));
+}
