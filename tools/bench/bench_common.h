@@ -102,6 +102,7 @@ int run_optim(const Config& cfg);
 int run_norm(const Config& cfg);
 int run_train(const Config& cfg);
 int run_ddp(const Config& cfg);
+int run_half(const Config& cfg);
 /// A rank of run_ddp: `apex-bench ddp-rank MODEL STEPS ddp|plain OUT` (internal).
 int run_ddp_rank(int argc, char** argv);
 

@@ -28,6 +28,9 @@ const Area kAreas[] = {
      apex::bench::run_train},
     {"ddp", "data-parallel weak scaling on this machine's cores (Gloo) against Python's DDP",
      apex::bench::run_ddp},
+    {"half",
+     "amp's CPU half route (matmul, conv, attention, gelu) against LibTorch's half and fp32",
+     apex::bench::run_half},
 };
 
 void usage(std::FILE* out) {
@@ -40,8 +43,9 @@ void usage(std::FILE* out) {
       "  --threads N         intra-op threads (default: LibTorch's)\n"
       "  --repeats N         timed runs per case, the median is reported (default 10)\n"
       "  --warmup N          untimed runs first (default 2)\n"
-      "  --only NAME         only this model (optim: resnet50, bert; train: transformer, resnet)\n"
-      "                      or shape (norm: 4096x1024); repeatable\n"
+      "  --only NAME         only this model (optim: resnet50, bert; train: transformer, resnet),\n"
+      "                      shape (norm: 4096x1024) or op (half: mm, linear, conv2d, conv1d,\n"
+      "                      sdpa, gelu); repeatable\n"
       "  --json FILE         also write the results as JSON to FILE (default: none)\n");
 }
 

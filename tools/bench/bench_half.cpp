@@ -1,0 +1,198 @@
+// apex-bench half: the ops of amp's CPU half-precision route (apex/amp/cpu_half.h) in bf16 and
+// fp16, inside a CpuHalfFallbackGuard (ours) against the same op on LibTorch's own half kernels
+// (the peer) and in fp32 (what the route must not be slower than), in the same run. Shapes from
+// the models apex-train trains. LibTorch's half path is a scalar loop on AVX2-only CPUs (tens of
+// times slower): there it is timed on a few runs only, so that the area ends in bounded time.
+#include <ATen/Parallel.h>
+#include <apex/amp/cpu_half.h>
+#include <apex/amp/utils.h>
+#include <apex/io.h>
+#include <malloc.h>
+#include <torch/autograd.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <sstream>
+
+#include "bench_common.h"
+
+namespace apex::bench {
+namespace {
+
+struct Case {
+  const char* name;
+  const char* what;
+  std::vector<at::ScalarType> dtypes;
+  double flops;  // of one run (0: elementwise)
+  // One run in `dtype` on fresh-per-case inputs; returns something to keep alive.
+  std::function<std::function<void()>(at::ScalarType)> make;
+};
+
+at::Tensor input(at::IntArrayRef sizes, at::ScalarType t, uint64_t seed, bool grad = false) {
+  auto gen = at::detail::createCPUGenerator(seed);
+  at::Tensor x = at::randn(sizes, gen).to(t);
+  return grad ? x.requires_grad_() : x;
+}
+
+std::vector<Case> cases() {
+  const std::vector<at::ScalarType> both{at::kBFloat16, at::kHalf};
+  const std::vector<at::ScalarType> bf16{at::kBFloat16};
+  return {
+      {"mm", "mm 2048x256 @ 256x1024", both, 2.0 * 2048 * 256 * 1024,
+       [](at::ScalarType t) {
+         const at::Tensor a = input({2048, 256}, t, 1);
+         const at::Tensor b = input({256, 1024}, t, 2);
+         return std::function<void()>([a, b] { at::mm(a, b); });
+       }},
+      {"linear", "linear 64x64x256 -> 1024, fwd+bwd", bf16, 3 * 2.0 * 4096 * 256 * 1024,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({64, 64, 256}, t, 3, true);
+         const at::Tensor w = input({1024, 256}, t, 4, true);
+         const at::Tensor b = input({1024}, t, 5, true);
+         const at::Tensor g = input({64, 64, 1024}, t, 6);
+         return std::function<void()>([=] { at::linear(x, w, b).backward(g); });
+       }},
+      {"conv2d", "conv2d 3x3 32x64x32x32, fwd+bwd", bf16, 3 * 2.0 * 32 * 64 * 32 * 32 * 64 * 9,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({32, 64, 32, 32}, t, 7, true);
+         const at::Tensor w = input({64, 64, 3, 3}, t, 8, true);
+         const at::Tensor g = input({32, 64, 32, 32}, t, 9);
+         return std::function<void()>([=] { at::conv2d(x, w, {}, 1, 1).backward(g); });
+       }},
+      {"conv1d", "conv1d k3 s2 64x64x799 (wav2vec2), fwd+bwd", bf16,
+       3 * 2.0 * 64 * 64 * 399 * 64 * 3,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({64, 64, 799}, t, 10, true);
+         const at::Tensor w = input({64, 64, 3}, t, 11, true);
+         const at::Tensor g = input({64, 64, 399}, t, 12);
+         return std::function<void()>([=] { at::conv1d(x, w, {}, 2).backward(g); });
+       }},
+      {"sdpa", "attention 64x4x64x64 (flash), fwd+bwd", bf16, 3 * 4.0 * 64 * 4 * 64 * 64 * 64,
+       [](at::ScalarType t) {
+         const at::Tensor q = input({64, 4, 64, 64}, t, 13, true);
+         const at::Tensor k = input({64, 4, 64, 64}, t, 14, true);
+         const at::Tensor v = input({64, 4, 64, 64}, t, 15, true);
+         const at::Tensor g = input({64, 4, 64, 64}, t, 16);
+         return std::function<void()>(
+             [=] { at::scaled_dot_product_attention(q, k, v).backward(g); });
+       }},
+      {"gelu", "gelu 4096x1024, fwd+bwd", both, 0,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({4096, 1024}, t, 17, true);
+         const at::Tensor g = input({4096, 1024}, t, 18);
+         return std::function<void()>([=] { at::gelu(x).backward(g); });
+       }},
+  };
+}
+
+const char* dtype_name(at::ScalarType t) {
+  return t == at::kBFloat16 ? "bf16" : t == at::kHalf ? "fp16" : "fp32";
+}
+
+struct Result {
+  std::string name, what, dtype;
+  double ours_ms, torch_half_ms, fp32_ms, flops;
+  int torch_half_runs;
+};
+
+}  // namespace
+
+int run_half(const Config& cfg) {
+  TORCH_CHECK(cfg.device.is_cpu(), "apex-bench half: the route is for CPU tensors (--device cpu)");
+  // Freed memory stays in the heap (as in apex-bench norm): otherwise whichever side runs after
+  // the fp32 case page-faults fresh outputs in, and the order of the sides decides the ratios.
+  mallopt(M_MMAP_MAX, 0);
+  mallopt(M_TRIM_THRESHOLD, -1);
+  const bool route = apex::amp::cpu_half_fallback_available();
+  std::printf("apex-bench half: LibTorch's bf16 matmuls are %s on this CPU; the fp32 route is %s\n",
+              apex::amp::cpu_half_matmul_is_fast(at::kBFloat16) ? "fast" : "slow",
+              route ? "on in the scope" : "off (ours = LibTorch's half kernels)");
+  std::vector<Result> results;
+  for (const Case& c : cases()) {
+    if (!selected(cfg, c.name)) continue;
+    for (const at::ScalarType t : c.dtypes) {
+      // Each side on its own tensors (the same values): none finds the others' in the caches.
+      const auto run_ours = c.make(t);
+      const auto run = c.make(t);
+      const auto run32 = c.make(at::kFloat);
+      const std::function<void()> ours = [&run_ours] {
+        const apex::amp::CpuHalfFallbackGuard on;
+        run_ours();
+      };
+      // LibTorch's half kernels are timed in the same rounds as ours and fp32 unless they are
+      // slow (one run over 5x ours): then on as many runs as fit in about 20x ours' total time
+      // (at least 1, at most --repeats), after ours and fp32.
+      const auto once = [](const std::function<void()>& f) {
+        const auto start = std::chrono::steady_clock::now();
+        f();
+        return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+            .count();
+      };
+      once(ours);
+      once(run);
+      const double ours_first = once(ours);
+      const double half_first = once(run);
+      double ours_ms, fp32_ms;
+      std::vector<double> half_runs;
+      if (half_first <= 5 * ours_first) {
+        const auto runs = interleaved_runs(cfg, {ours, run, run32});
+        ours_ms = median(runs[0]);
+        half_runs = runs[1];
+        fp32_ms = median(runs[2]);
+      } else {
+        const auto runs = interleaved_runs(cfg, {ours, run32});
+        ours_ms = median(runs[0]);
+        fp32_ms = median(runs[1]);
+        Config few = cfg;
+        few.warmup = 0;
+        few.repeats = static_cast<int>(
+            std::clamp<double>(20.0 * ours_ms * cfg.repeats / half_first - 1, 0, cfg.repeats - 1));
+        half_runs = {half_first};
+        if (few.repeats > 0) {
+          const auto more = interleaved_runs(few, {run});
+          half_runs.insert(half_runs.end(), more[0].begin(), more[0].end());
+        }
+      }
+      results.push_back({c.name, c.what, dtype_name(t), ours_ms, median(half_runs), fp32_ms,
+                         c.flops, static_cast<int>(half_runs.size())});
+    }
+  }
+  std::printf("\napex-bench half  device=cpu threads=%d\n", at::get_num_threads());
+  std::printf("%-7s %-44s %9s %12s %9s %9s %8s %9s\n", "dtype", "case", "ours ms", "torch half",
+              "fp32 ms", "vs half", "vs fp32", "GFLOP/s");
+  for (const auto& r : results) {
+    std::printf("%-7s %-44s %9.3f %9.3f (%d) %9.3f %8.2fx %7.2fx", r.dtype.c_str(), r.what.c_str(),
+                r.ours_ms, r.torch_half_ms, r.torch_half_runs, r.fp32_ms,
+                r.torch_half_ms / r.ours_ms, r.fp32_ms / r.ours_ms);
+    if (r.flops > 0) {
+      std::printf(" %9.1f\n", r.flops / (r.ours_ms * 1e6));
+    } else {
+      std::printf(" %9s\n", "-");
+    }
+  }
+  std::printf(
+      "(torch half: LibTorch's own half kernels, runs in parentheses; vs fp32 >= 1: the\n"
+      " half op is at least as fast as the same op in fp32)\n");
+  if (!cfg.json.empty()) {
+    std::ostringstream out;
+    out << "{\"area\": \"half\", \"threads\": " << at::get_num_threads()
+        << ", \"route\": " << (route ? "true" : "false") << ", \"rows\": [";
+    for (size_t i = 0; i < results.size(); ++i) {
+      const auto& r = results[i];
+      out << (i ? ", " : "") << "{\"case\": \"" << r.name << "\", \"dtype\": \"" << r.dtype
+          << "\", \"ours_ms\": " << r.ours_ms << ", \"torch_half_ms\": " << r.torch_half_ms
+          << ", \"torch_half_runs\": " << r.torch_half_runs << ", \"fp32_ms\": " << r.fp32_ms
+          << ", \"vs_half\": " << r.torch_half_ms / r.ours_ms
+          << ", \"vs_fp32\": " << r.fp32_ms / r.ours_ms << ", \"flops\": " << r.flops << "}";
+    }
+    out << "]}\n";
+    apex::write_file_atomic(cfg.json, out.str());
+    std::printf("results written to %s\n", cfg.json.c_str());
+  }
+  return 0;
+}
+
+}  // namespace apex::bench
