@@ -101,7 +101,15 @@ struct Result {
 }  // namespace
 
 int run_half(const Config& cfg) {
-  TORCH_CHECK(cfg.device.is_cpu(), "apex-bench half: the route is for CPU tensors (--device cpu)");
+  TORCH_CHECK(cfg.device.is_cpu(),
+              "half: the route is for CPU tensors; expected --device cpu, got ", cfg.device.str());
+  std::string names;
+  bool any = cfg.only.empty();
+  for (const Case& c : cases()) {
+    names += std::string(names.empty() ? "" : ", ") + c.name;
+    any = any || selected(cfg, c.name);
+  }
+  TORCH_CHECK(any, "half: --only names no case; expected one of ", names);
   // Freed memory stays in the heap (as in apex-bench norm): otherwise whichever side runs after
   // the fp32 case page-faults fresh outputs in, and the order of the sides decides the ratios.
   mallopt(M_MMAP_MAX, 0);
