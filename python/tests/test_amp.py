@@ -277,8 +277,6 @@ def test_cpu_half_fallback_gelu(forced_fallback, dtype):
     off = (_ordinal(y.detach()) - _ordinal(want.to(dtype))).abs()
     assert off[finite].max().item() <= 1
     torch.testing.assert_close(y.detach()[~finite].double(), want[~finite], equal_nan=True)
-    theirs = (_ordinal(F.gelu(x)) - _ordinal(want.to(dtype))).abs()
-    assert theirs[finite].max().item() > 1  # why the route has its own GELU
     torch.testing.assert_close(xr.grad, dx, rtol=0, atol=0, equal_nan=True)
 
 

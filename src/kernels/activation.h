@@ -6,7 +6,9 @@
 // built once per process (per dtype and form) in fp64: the forward is correctly rounded (LibTorch
 // computes 1 + erf(x / sqrt 2) in fp32, which cancels for x < -3: its bf16 results there are off
 // by up to 1.3e4 units in the last place); the backward multiplies the gradient by gelu'(x)
-// rounded to fp32, then rounds the product once (so within one unit in the last place). NaN in,
+// rounded to fp32 and rounds the fp32 product to the dtype: within one unit in the last place,
+// except where gelu'(x) is an fp32 subnormal (bf16 x below about -13) and the gradient is large
+// (LibTorch computes those in fp32 too). NaN in,
 // NaN out; gelu(+inf) = +inf, gelu(-inf) = NaN and gelu'(+-inf) = NaN, as x Phi(x) evaluates
 // there and as LibTorch's does.
 #pragma once

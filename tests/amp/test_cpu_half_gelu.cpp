@@ -66,40 +66,66 @@ int32_t ordinal(int16_t bits) {
   return bits < 0 ? -static_cast<int32_t>(bits & 0x7fff) : static_cast<int32_t>(bits);
 }
 
-// got (16-bit) is want64 rounded to got's dtype within one unit in the last place: NaN exactly
-// where want64 is NaN, infinities equal.
-::testing::AssertionResult within_one_step(const at::Tensor& got, const at::Tensor& want64) {
-  const at::Tensor want = want64.to(got.scalar_type()).contiguous();
+int16_t from_ordinal(int32_t o) { return static_cast<int16_t>(o >= 0 ? o : (0x8000 | -o)); }
+
+double value_of(int16_t bits, at::ScalarType t) {
+  const auto u = static_cast<uint16_t>(bits);
+  return t == at::kBFloat16 ? static_cast<float>(c10::BFloat16(u, c10::BFloat16::from_bits()))
+                            : static_cast<float>(c10::Half(u, c10::Half::from_bits()));
+}
+
+// r rounded to nearest (ties to even) in t, found among the neighbours of the fp32-route
+// conversion (which may round twice) by their distance to r in fp64.
+int16_t nearest_bits(double r, at::ScalarType t) {
+  const float f = static_cast<float>(r);
+  const auto c = static_cast<int16_t>(t == at::kBFloat16 ? c10::BFloat16(f).x : c10::Half(f).x);
+  if (!std::isfinite(r) || !std::isfinite(value_of(c, t))) return c;
+  int16_t best = c;
+  double best_d = std::abs(value_of(c, t) - r);
+  for (const int step : {-1, 1}) {
+    const int16_t n = from_ordinal(ordinal(c) + step);
+    const double v = value_of(n, t);
+    if (!std::isfinite(v)) continue;
+    const double d = std::abs(v - r);
+    if (d < best_d || (d == best_d && (n & 1) == 0)) {
+      best = n;
+      best_d = d;
+    }
+  }
+  return best;
+}
+
+// got (16-bit) against want64 rounded to nearest in got's dtype: at most `units` units in the
+// last place apart (0: equal), NaN exactly where want64 is NaN, infinities equal.
+::testing::AssertionResult within(const at::Tensor& got, const at::Tensor& want64, int units) {
   const at::Tensor gc = got.contiguous();
   const auto* gb = static_cast<const int16_t*>(gc.const_data_ptr());
-  const auto* wb = static_cast<const int16_t*>(want.const_data_ptr());
   const double* w64 = want64.const_data_ptr<double>();
-  const at::Tensor g64 = gc.to(at::kDouble);
-  const double* gv = g64.const_data_ptr<double>();
+  const auto t = got.scalar_type();
   int64_t bad = 0;
   int64_t first = -1;
   for (int64_t i = 0; i < got.numel(); ++i) {
+    const double g = value_of(gb[i], t);
     bool ok;
-    if (std::isnan(w64[i])) {
-      ok = std::isnan(gv[i]);
-    } else if (std::isnan(gv[i])) {
-      ok = false;
+    if (std::isnan(w64[i]) || std::isnan(g)) {
+      ok = std::isnan(w64[i]) && std::isnan(g);
     } else {
-      ok = std::abs(ordinal(gb[i]) - ordinal(wb[i])) <= 1;
+      ok = std::abs(ordinal(gb[i]) - ordinal(nearest_bits(w64[i], t))) <= units;
     }
     if (!ok && bad++ == 0) first = i;
   }
   if (bad == 0) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure()
-         << bad << " of " << got.numel() << " elements more than one unit off; first: element "
-         << first << ", got " << gv[first] << ", want " << w64[first];
+         << bad << " of " << got.numel() << " elements more than " << units
+         << " units off; first: element " << first << ", got " << value_of(gb[first], t)
+         << ", want " << w64[first];
 }
 
 const char* form(bool tanh) { return tanh ? "tanh" : "none"; }
 
 }  // namespace
 
-TEST(CpuHalfGelu, EveryValueWithinOneUnit) {
+TEST(CpuHalfGelu, EveryValueCorrectlyRoundedGradientsWithinOneUnit) {
   const ForceAvailable force;
   for (const auto t : {at::kBFloat16, at::kHalf}) {
     for (const bool tanh : {false, true}) {
@@ -115,8 +141,8 @@ TEST(CpuHalfGelu, EveryValueWithinOneUnit) {
         dx = at::gelu_backward(g, x, form(tanh));
       }
       EXPECT_EQ(y.scalar_type(), t);
-      EXPECT_TRUE(within_one_step(y, want_y));
-      EXPECT_TRUE(within_one_step(dx, want_dx));
+      EXPECT_TRUE(within(y, want_y, 0));  // correctly rounded
+      EXPECT_TRUE(within(dx, want_dx, 1));
       // More accurate than LibTorch's own half kernel, which cancels in the negative tail.
       const at::Tensor theirs = at::cpu::gelu(x, form(tanh)).to(at::kDouble);
       const at::Tensor finite = want_y.isfinite();
@@ -182,5 +208,28 @@ TEST(CpuHalfGelu, AutogradThroughTheRoute) {
   EXPECT_TRUE(at::equal(x.grad(), at::gelu_backward(g, x.detach(), "tanh")));
   at::Tensor want_y, want_dx;
   reference(x.detach(), g, true, want_y, want_dx);
-  EXPECT_TRUE(within_one_step(x.grad(), want_dx));
+  EXPECT_TRUE(within(x.grad(), want_dx, 1));
+}
+
+// Lengths and offsets that leave the vector loops a tail of every size (and a start that is not
+// aligned), in both dtypes.
+TEST(CpuHalfGelu, TailsAndUnalignedStarts) {
+  const ForceAvailable force;
+  for (const auto t : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(t));
+    const at::Tensor x = all_patterns(t);
+    const at::Tensor g = at::randn({x.numel()}, at::detail::createCPUGenerator(8)).to(t);
+    at::Tensor want_y, want_dx;
+    reference(x, g, false, want_y, want_dx);
+    const CpuHalfFallbackGuard on;
+    for (const auto& [offset, n] : std::vector<std::pair<int64_t, int64_t>>{
+             {0, 1}, {3, 7}, {5, 15}, {1, 17}, {40000, 31}, {100, 33}, {17000, 1003}}) {
+      SCOPED_TRACE("offset " + std::to_string(offset) + ", " + std::to_string(n) + " elements");
+      const at::Tensor xs = x.slice(0, offset, offset + n);
+      const at::Tensor gs = g.slice(0, offset, offset + n);
+      EXPECT_TRUE(within(at::gelu(xs), want_y.slice(0, offset, offset + n).contiguous(), 0));
+      EXPECT_TRUE(
+          within(at::gelu_backward(gs, xs), want_dx.slice(0, offset, offset + n).contiguous(), 1));
+    }
+  }
 }

@@ -37,6 +37,12 @@ at::Tensor input(at::IntArrayRef sizes, at::ScalarType t, uint64_t seed, bool gr
   return grad ? x.requires_grad_() : x;
 }
 
+// Each run's backward writes fresh gradients (accumulating into the last run's would add an
+// elementwise add of the dtype to every run).
+void fresh_grads(std::initializer_list<at::Tensor> ts) {
+  for (const at::Tensor& t : ts) t.mutable_grad().reset();
+}
+
 std::vector<Case> cases() {
   const std::vector<at::ScalarType> both{at::kBFloat16, at::kHalf};
   const std::vector<at::ScalarType> bf16{at::kBFloat16};
@@ -53,14 +59,20 @@ std::vector<Case> cases() {
          const at::Tensor w = input({1024, 256}, t, 4, true);
          const at::Tensor b = input({1024}, t, 5, true);
          const at::Tensor g = input({64, 64, 1024}, t, 6);
-         return std::function<void()>([=] { at::linear(x, w, b).backward(g); });
+         return std::function<void()>([=] {
+           fresh_grads({x, w, b});
+           at::linear(x, w, b).backward(g);
+         });
        }},
       {"conv2d", "conv2d 3x3 32x64x32x32, fwd+bwd", bf16, 3 * 2.0 * 32 * 64 * 32 * 32 * 64 * 9,
        [](at::ScalarType t) {
          const at::Tensor x = input({32, 64, 32, 32}, t, 7, true);
          const at::Tensor w = input({64, 64, 3, 3}, t, 8, true);
          const at::Tensor g = input({32, 64, 32, 32}, t, 9);
-         return std::function<void()>([=] { at::conv2d(x, w, {}, 1, 1).backward(g); });
+         return std::function<void()>([=] {
+           fresh_grads({x, w});
+           at::conv2d(x, w, {}, 1, 1).backward(g);
+         });
        }},
       {"conv1d", "conv1d k3 s2 64x64x799 (wav2vec2), fwd+bwd", bf16,
        3 * 2.0 * 64 * 64 * 399 * 64 * 3,
@@ -68,7 +80,10 @@ std::vector<Case> cases() {
          const at::Tensor x = input({64, 64, 799}, t, 10, true);
          const at::Tensor w = input({64, 64, 3}, t, 11, true);
          const at::Tensor g = input({64, 64, 399}, t, 12);
-         return std::function<void()>([=] { at::conv1d(x, w, {}, 2).backward(g); });
+         return std::function<void()>([=] {
+           fresh_grads({x, w});
+           at::conv1d(x, w, {}, 2).backward(g);
+         });
        }},
       {"sdpa", "attention 64x4x64x64 (flash), fwd+bwd", bf16, 3 * 4.0 * 64 * 4 * 64 * 64 * 64,
        [](at::ScalarType t) {
@@ -76,14 +91,19 @@ std::vector<Case> cases() {
          const at::Tensor k = input({64, 4, 64, 64}, t, 14, true);
          const at::Tensor v = input({64, 4, 64, 64}, t, 15, true);
          const at::Tensor g = input({64, 4, 64, 64}, t, 16);
-         return std::function<void()>(
-             [=] { at::scaled_dot_product_attention(q, k, v).backward(g); });
+         return std::function<void()>([=] {
+           fresh_grads({q, k, v});
+           at::scaled_dot_product_attention(q, k, v).backward(g);
+         });
        }},
       {"gelu", "gelu 4096x1024, fwd+bwd", both, 0,
        [](at::ScalarType t) {
          const at::Tensor x = input({4096, 1024}, t, 17, true);
          const at::Tensor g = input({4096, 1024}, t, 18);
-         return std::function<void()>([=] { at::gelu(x).backward(g); });
+         return std::function<void()>([=] {
+           fresh_grads({x});
+           at::gelu(x).backward(g);
+         });
        }},
   };
 }

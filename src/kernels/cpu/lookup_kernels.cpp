@@ -62,10 +62,19 @@ uint16_t narrow(float f, DType t) {
   return h;
 }
 
+// Lanes rounded to bf16 into p: the ISA's rounding where vec.h allows it (lanes_bf16_usable: not
+// with MXCSR's denormals-are-zero on AVX512-BF16), else the bit arithmetic, which the scalar tail
+// also uses, so an element's result does not depend on its position.
+[[maybe_unused]] void put_bf16(uint16_t* p, Lanes v, bool usable) {
+  const Lanes16 h = usable ? bf16_round_lanes(v) : bf16_round_bits(v);
+  std::memcpy(p, &h, sizeof h);
+}
+
 // dx[i] = g[i] * table[x[i]] in fp32, rounded to t (bf16 or fp16).
 void scale16(const uint16_t* g, const uint16_t* x, uint16_t* dx, int64_t n, const float* table,
              DType t) {
   int64_t i = 0;
+  [[maybe_unused]] const bool usable = lanes_bf16_usable();
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16) {
     const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
@@ -73,8 +82,7 @@ void scale16(const uint16_t* g, const uint16_t* x, uint16_t* dx, int64_t n, cons
     const __m512i idx = _mm512_maskz_cvtepu16_epi32(0xffff, xs);
     const __m512 d = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xffff, idx, table, 4);
     if (t == DType::kBFloat16) {
-      const Lanes r = get_lanes(g + i) * reinterpret_cast<Lanes>(d);
-      put_lanes(dx + i, r);
+      put_bf16(dx + i, get_lanes(g + i) * reinterpret_cast<Lanes>(d), usable);
     } else {
       const __m512 r = _mm512_mul_ps(_mm512_maskz_cvtph_ps(0xffff, gs), d);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dx + i),
@@ -86,7 +94,7 @@ void scale16(const uint16_t* g, const uint16_t* x, uint16_t* dx, int64_t n, cons
     const __m128i xs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
     const __m256 d = _mm256_i32gather_ps(table, _mm256_cvtepu16_epi32(xs), 4);
     if (t == DType::kBFloat16) {
-      put_lanes(dx + i, get_lanes(g + i) * reinterpret_cast<Lanes>(d));
+      put_bf16(dx + i, get_lanes(g + i) * reinterpret_cast<Lanes>(d), usable);
     } else {
       const __m128i gs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i));
       const __m256 r = _mm256_mul_ps(_mm256_cvtph_ps(gs), d);
