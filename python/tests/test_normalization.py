@@ -412,3 +412,30 @@ def test_functions_apply_keeps_apex_semantics():
     torch.testing.assert_close(yc, ye)
     for a, c in zip(torch.autograd.grad(yc, (x, w, b), dy), torch.autograd.grad(ye, (x, w, b), dy)):
         torch.testing.assert_close(a, c)
+
+
+def test_modules_read_their_parameters_as_torch_does():
+    """The modules read weight/bias from _parameters directly; a parametrized weight (a property
+    in place of the parameter), a replaced parameter and elementwise_affine=False still behave as
+    attribute access does."""
+    import torch.nn.utils.parametrize as parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 16, generator=g)
+    ln, rms, mixed = FusedLayerNorm(16), FusedRMSNorm(16), MixedFusedLayerNorm(16)
+    for m in (ln, rms, mixed):
+        parametrize.register_parametrization(m, "weight", Double())
+    w2 = 2 * ln.parametrizations.weight.original
+    torch.testing.assert_close(ln(x), F.layer_norm(x, (16,), w2, ln.bias, 1e-5))
+    torch.testing.assert_close(mixed(x), F.layer_norm(x, (16,), w2, mixed.bias, 1e-5))
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w2
+    torch.testing.assert_close(rms(x), want)
+    plain = FusedLayerNorm(16)
+    plain.weight = torch.nn.Parameter(torch.full((16,), 3.0))
+    torch.testing.assert_close(plain(x), F.layer_norm(x, (16,), plain.weight, plain.bias, 1e-5))
+    bare = FusedLayerNorm(16, elementwise_affine=False)
+    torch.testing.assert_close(bare(x), F.layer_norm(x, (16,), None, None, 1e-5))
