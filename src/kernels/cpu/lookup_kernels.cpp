@@ -44,21 +44,15 @@ void map16(const uint16_t* x, uint16_t* y, int64_t n, const uint16_t* table) {
 // One fp16 or bf16 element widened, and an fp32 value rounded to nearest even (vec.h's
 // conversions: bit arithmetic for bf16, the ISA's or c10's for fp16).
 float widen(uint16_t h, DType t) {
+  if (t == DType::kBFloat16) return bf16_bits_to_float(h);
   float f;
-  if (t == DType::kBFloat16) {
-    f = bf16_bits_to_float(h);
-  } else {
-    half_to_float(&h, &f, 1);
-  }
+  half_to_float(&h, &f, 1);
   return f;
 }
 uint16_t narrow(float f, DType t) {
+  if (t == DType::kBFloat16) return bf16_round(f);
   uint16_t h;
-  if (t == DType::kBFloat16) {
-    h = bf16_round(f);
-  } else {
-    float_to_half(&f, &h, 1);
-  }
+  float_to_half(&f, &h, 1);
   return h;
 }
 
