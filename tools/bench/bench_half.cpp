@@ -96,6 +96,61 @@ std::vector<Case> cases() {
            at::scaled_dot_product_attention(q, k, v).backward(g);
          });
        }},
+      // Not on the route: LibTorch's half kernels inside the scope too (ours = LibTorch's half,
+      // a measure of this method's noise). Here for their "vs fp32": the ops of apex-train's
+      // models between the products, whose half kernels may be slower than fp32 on a CPU.
+      {"batch_norm", "batch_norm 64x32x32x32, fp32 params, fwd+bwd", bf16, 0,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({64, 32, 32, 32}, t, 19, true);
+         const at::Tensor w = input({32}, at::kFloat, 20, true);
+         const at::Tensor b = input({32}, at::kFloat, 21, true);
+         const at::Tensor mean = at::zeros({32});
+         const at::Tensor var = at::ones({32});
+         const at::Tensor g = input({64, 32, 32, 32}, t, 22);
+         return std::function<void()>([=] {
+           fresh_grads({x, w, b});
+           at::batch_norm(x, w, b, mean, var, true, 0.1, 1e-5, false).backward(g);
+         });
+       }},
+      {"relu_add", "relu(x + y) 64x32x32x32 (residual), fwd+bwd", bf16, 0,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({64, 32, 32, 32}, t, 23, true);
+         const at::Tensor y = input({64, 32, 32, 32}, t, 24, true);
+         const at::Tensor g = input({64, 32, 32, 32}, t, 25);
+         return std::function<void()>([=] {
+           fresh_grads({x, y});
+           at::relu(x + y).backward(g);
+         });
+       }},
+      {"mean", "mean over H, W of 64x64x16x16, fwd+bwd", bf16, 0,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({64, 64, 16, 16}, t, 26, true);
+         const at::Tensor g = input({64, 64}, t, 27);
+         return std::function<void()>([=] {
+           fresh_grads({x});
+           x.mean({2, 3}).backward(g);
+         });
+       }},
+      {"group_norm", "group_norm 64 groups of 64x64x799, fwd+bwd", bf16, 0,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({64, 64, 799}, t, 28, true);
+         const at::Tensor w = input({64}, t, 29, true);
+         const at::Tensor b = input({64}, t, 30, true);
+         const at::Tensor g = input({64, 64, 799}, t, 31);
+         return std::function<void()>([=] {
+           fresh_grads({x, w, b});
+           at::group_norm(x, 64, w, b).backward(g);
+         });
+       }},
+      {"softmax", "softmax of 16384x64 rows, fwd+bwd", bf16, 0,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({16384, 64}, t, 32, true);
+         const at::Tensor g = input({16384, 64}, t, 33);
+         return std::function<void()>([=] {
+           fresh_grads({x});
+           at::softmax(x, -1).backward(g);
+         });
+       }},
       {"gelu", "gelu 4096x1024, fwd+bwd", both, 0,
        [](at::ScalarType t) {
          const at::Tensor x = input({4096, 1024}, t, 17, true);

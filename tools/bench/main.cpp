@@ -29,7 +29,7 @@ const Area kAreas[] = {
     {"ddp", "data-parallel weak scaling on this machine's cores (Gloo) against Python's DDP",
      apex::bench::run_ddp},
     {"half",
-     "amp's CPU half route (matmul, conv, attention, gelu) against LibTorch's half and fp32",
+     "amp's CPU half route and the ops between (bf16/fp16) against LibTorch's half and fp32",
      apex::bench::run_half},
 };
 
@@ -45,7 +45,8 @@ void usage(std::FILE* out) {
       "  --warmup N          untimed runs first (default 2)\n"
       "  --only NAME         only this model (optim: resnet50, bert; train: transformer, resnet),\n"
       "                      shape (norm: 4096x1024) or op (half: mm, linear, conv2d, conv1d,\n"
-      "                      sdpa, gelu); repeatable\n"
+      "                      sdpa, gelu, batch_norm, relu_add, mean, group_norm, softmax);\n"
+      "                      repeatable\n"
       "  --json FILE         also write the results as JSON to FILE (default: none)\n");
 }
 
