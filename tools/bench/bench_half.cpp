@@ -37,10 +37,14 @@ at::Tensor input(at::IntArrayRef sizes, at::ScalarType t, uint64_t seed, bool gr
   return grad ? x.requires_grad_() : x;
 }
 
-// Each run's backward writes fresh gradients (accumulating into the last run's would add an
-// elementwise add of the dtype to every run).
-void fresh_grads(std::initializer_list<at::Tensor> ts) {
-  for (const at::Tensor& t : ts) t.mutable_grad().reset();
+// One run: op() forward, then backward from g into fresh gradients of `leaves` (accumulating into
+// the last run's would add an elementwise add of the dtype to every run).
+std::function<void()> fwd_bwd(std::vector<at::Tensor> leaves, at::Tensor g,
+                              std::function<at::Tensor()> op) {
+  return [leaves = std::move(leaves), g = std::move(g), op = std::move(op)] {
+    for (const at::Tensor& t : leaves) t.mutable_grad().reset();
+    op().backward(g);
+  };
 }
 
 std::vector<Case> cases() {
@@ -58,43 +62,31 @@ std::vector<Case> cases() {
          const at::Tensor x = input({64, 64, 256}, t, 3, true);
          const at::Tensor w = input({1024, 256}, t, 4, true);
          const at::Tensor b = input({1024}, t, 5, true);
-         const at::Tensor g = input({64, 64, 1024}, t, 6);
-         return std::function<void()>([=] {
-           fresh_grads({x, w, b});
-           at::linear(x, w, b).backward(g);
-         });
+         return fwd_bwd({x, w, b}, input({64, 64, 1024}, t, 6),
+                        [=] { return at::linear(x, w, b); });
        }},
       {"conv2d", "conv2d 3x3 32x64x32x32, fwd+bwd", bf16, 3 * 2.0 * 32 * 64 * 32 * 32 * 64 * 9,
        [](at::ScalarType t) {
          const at::Tensor x = input({32, 64, 32, 32}, t, 7, true);
          const at::Tensor w = input({64, 64, 3, 3}, t, 8, true);
-         const at::Tensor g = input({32, 64, 32, 32}, t, 9);
-         return std::function<void()>([=] {
-           fresh_grads({x, w});
-           at::conv2d(x, w, {}, 1, 1).backward(g);
-         });
+         return fwd_bwd({x, w}, input({32, 64, 32, 32}, t, 9),
+                        [=] { return at::conv2d(x, w, {}, 1, 1); });
        }},
       {"conv1d", "conv1d k3 s2 64x64x799 (wav2vec2), fwd+bwd", bf16,
        3 * 2.0 * 64 * 64 * 399 * 64 * 3,
        [](at::ScalarType t) {
          const at::Tensor x = input({64, 64, 799}, t, 10, true);
          const at::Tensor w = input({64, 64, 3}, t, 11, true);
-         const at::Tensor g = input({64, 64, 399}, t, 12);
-         return std::function<void()>([=] {
-           fresh_grads({x, w});
-           at::conv1d(x, w, {}, 2).backward(g);
-         });
+         return fwd_bwd({x, w}, input({64, 64, 399}, t, 12),
+                        [=] { return at::conv1d(x, w, {}, 2); });
        }},
       {"sdpa", "attention 64x4x64x64 (flash), fwd+bwd", bf16, 3 * 4.0 * 64 * 4 * 64 * 64 * 64,
        [](at::ScalarType t) {
          const at::Tensor q = input({64, 4, 64, 64}, t, 13, true);
          const at::Tensor k = input({64, 4, 64, 64}, t, 14, true);
          const at::Tensor v = input({64, 4, 64, 64}, t, 15, true);
-         const at::Tensor g = input({64, 4, 64, 64}, t, 16);
-         return std::function<void()>([=] {
-           fresh_grads({q, k, v});
-           at::scaled_dot_product_attention(q, k, v).backward(g);
-         });
+         return fwd_bwd({q, k, v}, input({64, 4, 64, 64}, t, 16),
+                        [=] { return at::scaled_dot_product_attention(q, k, v); });
        }},
       // Not on the route: LibTorch's half kernels inside the scope too (ours = LibTorch's half,
       // a measure of this method's noise). Here for their "vs fp32": the ops of apex-train's
@@ -106,59 +98,37 @@ std::vector<Case> cases() {
          const at::Tensor b = input({32}, at::kFloat, 21, true);
          const at::Tensor mean = at::zeros({32});
          const at::Tensor var = at::ones({32});
-         const at::Tensor g = input({64, 32, 32, 32}, t, 22);
-         return std::function<void()>([=] {
-           fresh_grads({x, w, b});
-           at::batch_norm(x, w, b, mean, var, true, 0.1, 1e-5, false).backward(g);
-         });
+         return fwd_bwd({x, w, b}, input({64, 32, 32, 32}, t, 22),
+                        [=] { return at::batch_norm(x, w, b, mean, var, true, 0.1, 1e-5, false); });
        }},
       {"relu_add", "relu(x + y) 64x32x32x32 (residual), fwd+bwd", bf16, 0,
        [](at::ScalarType t) {
          const at::Tensor x = input({64, 32, 32, 32}, t, 23, true);
          const at::Tensor y = input({64, 32, 32, 32}, t, 24, true);
-         const at::Tensor g = input({64, 32, 32, 32}, t, 25);
-         return std::function<void()>([=] {
-           fresh_grads({x, y});
-           at::relu(x + y).backward(g);
-         });
+         return fwd_bwd({x, y}, input({64, 32, 32, 32}, t, 25), [=] { return at::relu(x + y); });
        }},
       {"mean", "mean over H, W of 64x64x16x16, fwd+bwd", bf16, 0,
        [](at::ScalarType t) {
          const at::Tensor x = input({64, 64, 16, 16}, t, 26, true);
-         const at::Tensor g = input({64, 64}, t, 27);
-         return std::function<void()>([=] {
-           fresh_grads({x});
-           x.mean({2, 3}).backward(g);
-         });
+         return fwd_bwd({x}, input({64, 64}, t, 27), [=] { return x.mean({2, 3}); });
        }},
       {"group_norm", "group_norm 64 groups of 64x64x799, fwd+bwd", bf16, 0,
        [](at::ScalarType t) {
          const at::Tensor x = input({64, 64, 799}, t, 28, true);
          const at::Tensor w = input({64}, t, 29, true);
          const at::Tensor b = input({64}, t, 30, true);
-         const at::Tensor g = input({64, 64, 799}, t, 31);
-         return std::function<void()>([=] {
-           fresh_grads({x, w, b});
-           at::group_norm(x, 64, w, b).backward(g);
-         });
+         return fwd_bwd({x, w, b}, input({64, 64, 799}, t, 31),
+                        [=] { return at::group_norm(x, 64, w, b); });
        }},
       {"softmax", "softmax of 16384x64 rows, fwd+bwd", bf16, 0,
        [](at::ScalarType t) {
          const at::Tensor x = input({16384, 64}, t, 32, true);
-         const at::Tensor g = input({16384, 64}, t, 33);
-         return std::function<void()>([=] {
-           fresh_grads({x});
-           at::softmax(x, -1).backward(g);
-         });
+         return fwd_bwd({x}, input({16384, 64}, t, 33), [=] { return at::softmax(x, -1); });
        }},
       {"gelu", "gelu 4096x1024, fwd+bwd", both, 0,
        [](at::ScalarType t) {
          const at::Tensor x = input({4096, 1024}, t, 17, true);
-         const at::Tensor g = input({4096, 1024}, t, 18);
-         return std::function<void()>([=] {
-           fresh_grads({x});
-           at::gelu(x).backward(g);
-         });
+         return fwd_bwd({x}, input({4096, 1024}, t, 18), [=] { return at::gelu(x); });
        }},
   };
 }
