@@ -18,6 +18,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "bridge/bridge.h"
 #include "kernels/activation.h"
 
 #include <atomic>
@@ -160,17 +161,14 @@ std::optional<bool> gelu_tanh(c10::string_view approximate) {
   return std::nullopt;
 }
 
-kernels::DType half_dtype(const at::Tensor& t) {
-  return t.scalar_type() == at::kHalf ? kernels::DType::kFloat16 : kernels::DType::kBFloat16;
-}
-
 at::Tensor gelu(const at::Tensor& x, c10::string_view approximate) {
   const auto tanh = gelu_tanh(approximate);
   if (!take({&x}) || !tanh || !x.is_non_overlapping_and_dense()) {
     return at::cpu::gelu(x, approximate);
   }
   at::Tensor y = at::empty_like(x);
-  kernels::cpu::gelu(x.const_data_ptr(), y.mutable_data_ptr(), half_dtype(x), x.numel(), *tanh);
+  kernels::cpu::gelu(x.const_data_ptr(), y.mutable_data_ptr(), bridge::kernel_dtype(x, "gelu"),
+                     x.numel(), *tanh);
   return y;
 }
 
@@ -183,7 +181,7 @@ at::Tensor gelu_backward(const at::Tensor& grad, const at::Tensor& x,
   }
   at::Tensor dx = at::empty_like(x);
   kernels::cpu::gelu_backward(grad.const_data_ptr(), x.const_data_ptr(), dx.mutable_data_ptr(),
-                              half_dtype(x), x.numel(), *tanh);
+                              bridge::kernel_dtype(x, "gelu"), x.numel(), *tanh);
   return dx;
 }
 

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <apex/amp/cpu_half.h>
 #include <apex/amp/initialize.h>
 
 #include "../common/test_util.h"
@@ -7,6 +8,15 @@
 #include <vector>
 
 namespace apex::test {
+
+/// While it lives, the CPU half fallback counts as available whatever this CPU (so the route's
+/// tests run on every CPU); then it is decided from the CPU and the environment again.
+struct ForceCpuHalfFallback {
+  ForceCpuHalfFallback() { apex::amp::detail::force_cpu_half_fallback_available(true); }
+  ~ForceCpuHalfFallback() { apex::amp::detail::force_cpu_half_fallback_available(std::nullopt); }
+  ForceCpuHalfFallback(const ForceCpuHalfFallback&) = delete;
+  ForceCpuHalfFallback& operator=(const ForceCpuHalfFallback&) = delete;
+};
 
 /// Options of `level` without the stderr lines on skipped steps.
 inline apex::amp::Options quiet(apex::amp::OptLevel level) {

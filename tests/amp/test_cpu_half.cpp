@@ -13,10 +13,7 @@ namespace {
 
 using apex::amp::CpuHalfFallbackGuard;
 
-struct ForceAvailable {
-  ForceAvailable() { apex::amp::detail::force_cpu_half_fallback_available(true); }
-  ~ForceAvailable() { apex::amp::detail::force_cpu_half_fallback_available(std::nullopt); }
-};
+using ForceAvailable = apex::test::ForceCpuHalfFallback;
 
 // Values exactly representable in `t` (so the fp32 reference sees the same inputs).
 at::Tensor exact(at::IntArrayRef sizes, at::ScalarType t, uint64_t seed) {

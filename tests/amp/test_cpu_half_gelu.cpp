@@ -16,10 +16,7 @@ namespace {
 
 using apex::amp::CpuHalfFallbackGuard;
 
-struct ForceAvailable {
-  ForceAvailable() { apex::amp::detail::force_cpu_half_fallback_available(true); }
-  ~ForceAvailable() { apex::amp::detail::force_cpu_half_fallback_available(std::nullopt); }
-};
+using ForceAvailable = apex::test::ForceCpuHalfFallback;
 
 // Every bit pattern of a 16-bit dtype, once.
 at::Tensor all_patterns(at::ScalarType t) {

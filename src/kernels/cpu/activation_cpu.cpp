@@ -3,6 +3,7 @@
 // of the best instruction set (kernels/cpu/isa.h). Elementwise: the result does not depend on the
 // split.
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
@@ -29,17 +30,13 @@ struct Tables {
 };
 
 double value_of(uint16_t bits, DType t) {
-  if (t == DType::kBFloat16) {
-    const uint32_t u = static_cast<uint32_t>(bits) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  return t == DType::kBFloat16 ? static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()))
+                               : static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
 // v rounded to nearest even in t, correctly: through fp32 rounded to odd (the inexact fp32 result
-// gets an odd last bit), which keeps every tie of the 16-bit format a tie only where v is one.
+// gets an odd last bit), which keeps every tie of the 16-bit format a tie only where v is one;
+// then c10's rounding to nearest even.
 uint16_t round_to(double v, DType t) {
   float f = static_cast<float>(v);
   if (std::isfinite(v) && static_cast<double>(f) != v) {
@@ -49,11 +46,7 @@ uint16_t round_to(double v, DType t) {
       f = std::nextafter(f, static_cast<double>(f) < v ? INFINITY : -INFINITY);
     }
   }
-  if (t == DType::kFloat16) return c10::Half(f).x;
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return 0x7fc0;
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  return t == DType::kFloat16 ? c10::Half(f).x : c10::BFloat16(f).x;
 }
 
 // gelu and gelu' in fp64: x Phi(x) with Phi(x) = erfc(-x / sqrt 2) / 2 (exact form), or the tanh
