@@ -1,6 +1,8 @@
 """Builds the op library (python/CMakeLists.txt, part of apex-cpp's CMake project: the same kernels
 as the C++ library) with CMake against the installed torch, and installs it as apex/_apex_cpp.so,
-beside apex/_eager.so (the norms' direct eager entry, a CPython module for the building Python).
+beside apex/_apex_cpp_stable.so (the multi-tensor ops on LibTorch's stable ABI, for any torch from
+2.10 on) and apex/_eager.so (the norms' direct eager entry, a CPython module for the building
+Python).
 
     pip install --no-build-isolation <checkout>/python
 """
@@ -45,10 +47,14 @@ class CMakeBuild(build_ext):
              "-DAPEX_BUILD_TESTS=OFF", "-DAPEX_BUILD_EXAMPLES=OFF", "-DAPEX_BUILD_BENCHMARKS=OFF",
              "-DAPEX_BUILD_TOOLS=OFF"])
         subprocess.check_call(["cmake", "--build", build_dir, "--target", "apex_python_ops",
-                               "apex_python_eager", "--parallel", jobs])
+                               "apex_python_eager", "apex_python_stable", "--parallel", jobs])
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         shutil.copyfile(os.path.join(build_dir, "python", "_apex_cpp.so"), target)
+        # The multi-tensor ops on LibTorch's stable ABI (csrc/stable_ops.cpp): what apex loads
+        # under a later torch than the one it was built for.
+        shutil.copyfile(os.path.join(build_dir, "python", "_apex_cpp_stable.so"),
+                        os.path.join(os.path.dirname(target), "_apex_cpp_stable.so"))
         # The norms' direct eager entry (csrc/eager.cpp): a CPython module for this Python, built
         # where Python's headers are (CMake warns otherwise, and the package uses torch.ops alone).
         eager = os.path.join(build_dir, "python", "_eager.so")

@@ -1,31 +1,114 @@
 """The compiled half of the package: apex-cpp's kernels as torch custom ops (``torch.ops.apex_cpp``).
 
-The op library ``_apex_cpp.so`` is built from the same C++ kernel layer as the C++ library. Here
-it is loaded, and every op gets a fake (meta) implementation so that ``torch.compile`` and
-``torch.export`` trace through it (the norms' autograd is registered in C++).
+The op library ``_apex_cpp.so`` is built from the same C++ kernel layer as the C++ library,
+against LibTorch's regular C++ API: it serves the torch it was built for. Under another torch
+(2.10 or later) the package loads ``_apex_cpp_stable.so`` instead, the multi-tensor ops on
+LibTorch's stable ABI (namespace ``apex_cpp_stable``, the same schemas), and says what it lacks.
+Every op gets a fake (meta) implementation so that ``torch.compile`` and ``torch.export`` trace
+through it (the norms' autograd is registered in C++).
 """
 import os
 
 import torch
 
-_LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_apex_cpp.so")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_LIB = os.path.join(_HERE, "_apex_cpp.so")
+_STABLE_LIB = os.path.join(_HERE, "_apex_cpp_stable.so")
+_REINSTALL = "reinstall with `pip install --no-build-isolation <checkout>/python`"
 if not os.path.exists(_LIB):
-    raise ImportError(
-        f"apex (apex-cpp): the op library {_LIB} is missing; reinstall with "
-        "`pip install --no-build-isolation <checkout>/python`")
+    raise ImportError(f"apex (apex-cpp): the op library {_LIB} is missing; {_REINSTALL}")
 try:
     from apex._build_info import TORCH_VERSION as _BUILT_FOR
 except ImportError:  # built by CMake directly (-DAPEX_BUILD_PYTHON=ON), not by pip
     _BUILT_FOR = None
-if _BUILT_FOR is not None and _BUILT_FOR != torch.__version__:
+
+
+def _torch_at_least(major, minor):
+    parts = torch.__version__.split("+")[0].split(".")
+    return (int(parts[0]), int(parts[1])) >= (major, minor)
+
+
+class _StableOps:
+    """The ops of _apex_cpp_stable.so (LibTorch's stable ABI: the multi-tensor ops and cpu_isa,
+    on CPU tensors) under apex_cpp's names, and what the rest of the package asks of the others:
+    the CPU half-precision route is unavailable, the norms run on torch's ops
+    (apex._torch_norms), update_scale_hysteresis is the regular op's tensor code in Python, the
+    SyncBatchNorm kernels and the rest say to reinstall."""
+
+    _ns = None
+
+    def cpu_half_fallback_available(self):
+        return False
+
+    def cpu_half_fallback_active(self):
+        return False
+
+    def cpu_half_fallback_enter(self):
+        return False
+
+    def cpu_half_fallback_exit(self):
+        pass
+
+    @staticmethod
+    def update_scale_hysteresis(scale, growth_tracker, hysteresis_tracker, found_inf,
+                                growth_factor, backoff_factor, growth_interval, hysteresis):
+        """apex_cpp::update_scale_hysteresis (python/csrc/ops.cpp) in torch's ops: tensor ops on
+        the tensors' device, no host sync."""
+        who = "update_scale_hysteresis"
+        if any(t.numel() != 1 for t in (scale, growth_tracker, hysteresis_tracker, found_inf)):
+            raise RuntimeError(f"{who}: expected one-element tensors")
+        if growth_interval < 1 or hysteresis < 1:
+            raise RuntimeError(f"{who}: growth_interval and hysteresis must be >= 1")
+        inf = found_inf.to(scale.device).reshape(()).ne(0)
+        hyst = hysteresis_tracker.reshape(())
+        growth = growth_tracker.reshape(())
+        hyst_after = torch.where(inf, hyst - 1, hyst)
+        back_off = inf.logical_and(hyst_after.le(0))
+        growth_after = torch.where(inf, torch.zeros_like(growth), growth + 1)
+        grow = growth_after.ge(growth_interval)
+        grown = scale * growth_factor
+        new_scale = torch.where(back_off, scale * backoff_factor,
+                                torch.where(grow.logical_and(torch.isfinite(grown)), grown, scale))
+        scale.copy_(new_scale)
+        growth_tracker.copy_(torch.where(grow, torch.zeros_like(growth), growth_after)
+                             .reshape(growth_tracker.shape))
+        hysteresis_tracker.copy_(torch.where(inf, hyst_after.clamp_min(0),
+                                             torch.full_like(hyst, hysteresis))
+                                 .reshape(hysteresis_tracker.shape))
+
+    def __getattr__(self, name):
+        if hasattr(torch.ops.apex_cpp_stable, name):
+            return getattr(torch.ops.apex_cpp_stable, name)
+        raise RuntimeError(
+            f"apex (apex-cpp): {name} is in the op library built for torch {_BUILT_FOR}, not in the "
+            f"stable-ABI library that serves torch {torch.__version__}; {_REINSTALL}")
+
+
+# APEX_OPS=stable loads the stable-ABI library even where the regular one fits (tests, comparison).
+_FORCE_STABLE = os.environ.get("APEX_OPS") == "stable"
+STABLE = _FORCE_STABLE or (_BUILT_FOR is not None and _BUILT_FOR != torch.__version__)
+if STABLE:
     # LibTorch's C++ ABI changes between releases, and a +cpu and a +cu130 build of one release
-    # differ in their libraries: loading it anyway fails on a missing symbol at best.
-    raise ImportError(
-        f"apex (apex-cpp): the op library was built for torch {_BUILT_FOR}, but torch "
-        f"{torch.__version__} is installed; reinstall with "
-        "`pip install --no-build-isolation <checkout>/python`")
-torch.ops.load_library(_LIB)
-ops = torch.ops.apex_cpp
+    # differ in their libraries: _apex_cpp.so must not be loaded under another torch. The stable
+    # library was built against the stable ABI of torch 2.10 and loads into any later torch.
+    if not os.path.exists(_STABLE_LIB) or not _torch_at_least(2, 10):
+        raise ImportError(
+            f"apex (apex-cpp): the op library was built for torch {_BUILT_FOR}, but torch "
+            f"{torch.__version__} is installed; {_REINSTALL}")
+    torch.ops.load_library(_STABLE_LIB)
+    ops = _StableOps()
+    _NS = "apex_cpp_stable"
+    if not _FORCE_STABLE:
+        import warnings
+        warnings.warn(
+            f"apex (apex-cpp) was built for torch {_BUILT_FOR} and runs under torch "
+            f"{torch.__version__} on its stable-ABI op library: optimizers, amp_C and amp on "
+            "apex-cpp's CPU kernels; norms on torch's ops; no CPU half-precision route, no CUDA "
+            f"kernels, no SyncBatchNorm kernels. For all of it, {_REINSTALL}", stacklevel=2)
+else:
+    torch.ops.load_library(_LIB)
+    ops = torch.ops.apex_cpp
+    _NS = "apex_cpp"
 
 
 def _check_noop(noop_flag):
@@ -34,14 +117,6 @@ def _check_noop(noop_flag):
 
 # ---- fake implementations: shapes and dtypes only -----------------------------------------------
 
-for _name in ("multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_adam", "multi_tensor_sgd",
-              "multi_tensor_adagrad", "multi_tensor_lamb", "multi_tensor_novograd",
-              "update_scale_hysteresis"):
-    # Mutating ops that return nothing: the fake does nothing.
-    torch.library.register_fake(f"apex_cpp::{_name}")(lambda *args, **kwargs: None)
-
-
-@torch.library.register_fake("apex_cpp::multi_tensor_l2norm")
 def _l2norm_fake(noop_flag, tensors, per_tensor):
     device = tensors[0].device if tensors else noop_flag.device
     total = torch.empty(1, dtype=torch.float32, device=device)
@@ -50,68 +125,84 @@ def _l2norm_fake(noop_flag, tensors, per_tensor):
     return total, per
 
 
-@torch.library.register_fake("apex_cpp::multi_tensor_unscale_l2norm")
 def _unscale_l2norm_fake(noop_flag, tensors, inv_scale, per_tensor):
     return _l2norm_fake(noop_flag, tensors, per_tensor)
 
 
-def _rows(input, normalized_shape):
-    rows = 1
-    for d in input.shape[: input.dim() - len(normalized_shape)]:
-        rows *= d
-    return rows
+def _register_multi_tensor_fakes(ns):
+    """The fakes of the multi-tensor ops, which both libraries have, in namespace ns."""
+    for name in ("multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_adam",
+                 "multi_tensor_sgd", "multi_tensor_adagrad", "multi_tensor_lamb",
+                 "multi_tensor_novograd"):
+        # Mutating ops that return nothing: the fake does nothing.
+        torch.library.register_fake(f"{ns}::{name}")(lambda *args, **kwargs: None)
+    torch.library.register_fake(f"{ns}::multi_tensor_l2norm")(_l2norm_fake)
+    torch.library.register_fake(f"{ns}::multi_tensor_unscale_l2norm")(_unscale_l2norm_fake)
 
 
-@torch.library.register_fake("apex_cpp::fused_norm_fwd")
-def _norm_fwd_fake(input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient):
-    rows = _rows(input, normalized_shape)
-    out_dtype = weight.dtype if mixed else input.dtype
-    y = torch.empty(input.shape, dtype=out_dtype, device=input.device)
-    # Statistics are fp32, or float64 on the float64 path (any float64 input).
-    f64 = any(t is not None and t.dtype == torch.float64 for t in (input, weight, bias))
-    stat = torch.float64 if f64 else torch.float32
-    mean = input.new_empty((0 if rms else rows,), dtype=stat)
-    rstd = input.new_empty((rows,), dtype=stat)
-    return y, mean, rstd
+_register_multi_tensor_fakes(_NS)
 
 
-@torch.library.register_fake("apex_cpp::fused_norm")
-def _norm_fake(input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient):
-    out_dtype = weight.dtype if mixed else input.dtype
-    return torch.empty(input.shape, dtype=out_dtype, device=input.device)
+if not STABLE:  # the ops below are in the regular library only
+    torch.library.register_fake("apex_cpp::update_scale_hysteresis")(lambda *a, **k: None)
+
+    def _rows(input, normalized_shape):
+        rows = 1
+        for d in input.shape[: input.dim() - len(normalized_shape)]:
+            rows *= d
+        return rows
 
 
-@torch.library.register_fake("apex_cpp::fused_norm_bwd")
-def _norm_bwd_fake(grad_out, saved, mean, rstd, weight, bias, normalized_shape, eps, rms, mixed,
-                   memory_efficient, input_dtype, output_mask):
-    dx = (torch.empty(saved.shape, dtype=input_dtype, device=saved.device) if output_mask[0]
-          else saved.new_empty((0,)))
-    param = weight if weight is not None else bias
-    dw = (torch.empty_like(weight) if output_mask[1] and weight is not None
-          else saved.new_empty((0,)))
-    db = (torch.empty(param.shape, dtype=bias.dtype, device=saved.device)
-          if output_mask[2] and bias is not None else saved.new_empty((0,)))
-    return dx, dw, db
+    @torch.library.register_fake("apex_cpp::fused_norm_fwd")
+    def _norm_fwd_fake(input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient):
+        rows = _rows(input, normalized_shape)
+        out_dtype = weight.dtype if mixed else input.dtype
+        y = torch.empty(input.shape, dtype=out_dtype, device=input.device)
+        # Statistics are fp32, or float64 on the float64 path (any float64 input).
+        f64 = any(t is not None and t.dtype == torch.float64 for t in (input, weight, bias))
+        stat = torch.float64 if f64 else torch.float32
+        mean = input.new_empty((0 if rms else rows,), dtype=stat)
+        rstd = input.new_empty((rows,), dtype=stat)
+        return y, mean, rstd
 
 
-@torch.library.register_fake("apex_cpp::batch_norm_stats")
-def _bn_stats_fake(input):
-    return input.new_empty((2 * input.shape[1] + 1,), dtype=torch.float64)
+    @torch.library.register_fake("apex_cpp::fused_norm")
+    def _norm_fake(input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient):
+        out_dtype = weight.dtype if mixed else input.dtype
+        return torch.empty(input.shape, dtype=out_dtype, device=input.device)
 
 
-@torch.library.register_fake("apex_cpp::batch_norm_elemt")
-def _bn_elemt_fake(input, mean, scale, shift):
-    return torch.empty_like(input)
+    @torch.library.register_fake("apex_cpp::fused_norm_bwd")
+    def _norm_bwd_fake(grad_out, saved, mean, rstd, weight, bias, normalized_shape, eps, rms, mixed,
+                       memory_efficient, input_dtype, output_mask):
+        dx = (torch.empty(saved.shape, dtype=input_dtype, device=saved.device) if output_mask[0]
+              else saved.new_empty((0,)))
+        param = weight if weight is not None else bias
+        dw = (torch.empty_like(weight) if output_mask[1] and weight is not None
+              else saved.new_empty((0,)))
+        db = (torch.empty(param.shape, dtype=bias.dtype, device=saved.device)
+              if output_mask[2] and bias is not None else saved.new_empty((0,)))
+        return dx, dw, db
 
 
-@torch.library.register_fake("apex_cpp::batch_norm_backward_reduce")
-def _bn_reduce_fake(grad_out, input, mean):
-    return input.new_empty((2 * input.shape[1],), dtype=torch.float64)
+    @torch.library.register_fake("apex_cpp::batch_norm_stats")
+    def _bn_stats_fake(input):
+        return input.new_empty((2 * input.shape[1] + 1,), dtype=torch.float64)
 
 
-@torch.library.register_fake("apex_cpp::batch_norm_backward_elemt")
-def _bn_bwd_elemt_fake(grad_out, input, mean, a, b, k):
-    return torch.empty_like(input)
+    @torch.library.register_fake("apex_cpp::batch_norm_elemt")
+    def _bn_elemt_fake(input, mean, scale, shift):
+        return torch.empty_like(input)
+
+
+    @torch.library.register_fake("apex_cpp::batch_norm_backward_reduce")
+    def _bn_reduce_fake(grad_out, input, mean):
+        return input.new_empty((2 * input.shape[1],), dtype=torch.float64)
+
+
+    @torch.library.register_fake("apex_cpp::batch_norm_backward_elemt")
+    def _bn_bwd_elemt_fake(grad_out, input, mean, a, b, k):
+        return torch.empty_like(input)
 
 
 # The norms' autograd is registered in C++ (python/csrc/ops.cpp, NormFunction): a Python

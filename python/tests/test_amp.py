@@ -204,6 +204,7 @@ def forced_fallback():
     ops._cpu_half_fallback_force(-1)
 
 
+@pytest.mark.regular_ops
 def test_cpu_half_fallback_scope(forced_fallback):
     """On in its thread while open (nested, through exceptions), off outside and in other
     threads; the covered ops give torch's fp32 result on the widened inputs, rounded once."""
@@ -258,6 +259,7 @@ def _ordinal(t):
     return torch.where(b < 0, -(b & 0x7FFF), b)
 
 
+@pytest.mark.regular_ops
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cpu_half_fallback_gelu(forced_fallback, dtype):
     """GELU of half tensors in the scope: every finite value within one unit in the last place of
@@ -280,6 +282,7 @@ def test_cpu_half_fallback_gelu(forced_fallback, dtype):
     torch.testing.assert_close(xr.grad, dx, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.regular_ops
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_amp_computes_through_fp32_where_half_is_slow(forced_fallback, opt_level):
     """apex.amp opens the scope around the patched forward and the backward in scale_loss, and

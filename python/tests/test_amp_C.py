@@ -113,6 +113,7 @@ def _opcheck(op, args, kwargs=None):
                                       "test_aot_dispatch_dynamic"))
 
 
+@pytest.mark.regular_ops
 def test_opcheck_every_op():
     gs = grads()
     noop = torch.zeros(1, dtype=torch.int)

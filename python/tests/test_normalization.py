@@ -130,6 +130,7 @@ def test_torch_compile_traces_without_graph_breaks():
     assert model[1].weight.grad is not None
 
 
+@pytest.mark.regular_ops
 @pytest.mark.parametrize("memory_efficient", [False, True])
 def test_eager_and_traced_routes_agree(memory_efficient):
     """Eager calls record the C++ library's autograd node (kernels called directly); traced ones
@@ -202,6 +203,7 @@ print("traced")
 """
 
 
+@pytest.mark.regular_ops
 @pytest.mark.parametrize("eager_route", ["1", "0"])
 def test_compiled_autograd(eager_route):
     """Compiled autograd traces the modules' traceable route and apex's Functions' own node
@@ -221,6 +223,7 @@ def test_compiled_autograd(eager_route):
         assert "APEX_NORM_EAGER_AUTOGRAD=0" in r.stdout
 
 
+@pytest.mark.regular_ops
 def test_double_backward_is_refused_clearly():
     m = FusedLayerNorm(16)
     x = torch.randn(4, 16, requires_grad=True)
@@ -272,6 +275,7 @@ def test_without_the_direct_entry(monkeypatch):
         torch.testing.assert_close(a, c, rtol=0, atol=0)
 
 
+@pytest.mark.regular_ops
 def test_direct_eager_entry_and_its_fallbacks(monkeypatch):
     """Eager module and functional calls enter apex_cpp::fused_norm directly (apex._eager,
     csrc/eager.cpp: no torch.ops argument parsing); what only torch.ops handles goes to the op
@@ -346,6 +350,7 @@ def test_direct_eager_entry_and_its_fallbacks(monkeypatch):
     ("FusedLayerNormAffineFunction", "wb"), ("FusedLayerNormAffineMixedDtypesFunction", "wb"),
     ("FusedRMSNormAffineFunction", "w"), ("FusedRMSNormAffineMixedDtypesFunction", "w"),
     ("FusedLayerNormFunction", ""), ("FusedRMSNormFunction", "")])
+@pytest.mark.regular_ops
 @pytest.mark.parametrize("memory_efficient", [None, False, True])
 def test_functions_apply_directly_in_eager_mode(name, args, memory_efficient):
     """apex's Functions' apply calls fused_norm_fwd directly in eager mode (the library's node)

@@ -15,20 +15,29 @@ import torch
 from torch.nn import init
 from torch.nn.parameter import Parameter
 
+from apex import _ops
 from apex._ops import ops
 
-try:
-    from apex._eager import fused_norm as _direct
-    from apex._eager import fused_norm_fwd_output as _direct_fwd
-except ImportError:  # built without Python's headers (a CMake warning said so): torch.ops alone
+if _ops.STABLE:
+    # The stable-ABI op library has no norms: torch's ops compute them (apex._torch_norms).
+    from apex._torch_norms import norm as _norm_call
+    from apex._torch_norms import norm_bwd as _bwd
+    from apex._torch_norms import norm_fwd as _fwd
     _direct = _direct_fwd = None
+else:
+    try:
+        from apex._eager import fused_norm as _direct
+        from apex._eager import fused_norm_fwd_output as _direct_fwd
+    except ImportError:  # built without Python's headers (a CMake warning said so): torch.ops alone
+        _direct = _direct_fwd = None
 
-# The overloads themselves: calling the packet resolves the overload on every call.
-_fwd = ops.fused_norm_fwd.default
-_bwd = ops.fused_norm_bwd.default
-# The modules' and functional forms' op (its builtin `_op` would save ~0.1 us a call, but
-# dynamo does not trace through it).
-_norm_call = ops.fused_norm.default
+    # The overloads themselves: calling the packet resolves the overload on every call.
+    _fwd = ops.fused_norm_fwd.default
+    _bwd = ops.fused_norm_bwd.default
+    # The modules' and functional forms' op (its builtin `_op` would save ~0.1 us a call, but
+    # dynamo does not trace through it).
+    _norm_call = ops.fused_norm.default
+
 # Eager calls take _direct(_norm_call, ...): the same op through the dispatcher without torch.ops'
 # argument parsing (~1.5 us less a call), or _norm_call itself for tensor subclasses, torch
 # function modes and arguments of other types (csrc/eager.cpp). Traced code sees _norm_call.

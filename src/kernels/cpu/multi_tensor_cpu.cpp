@@ -1,8 +1,6 @@
 // CPU backend driver: splits every tensor of a call into chunks, runs the chunks on ATen's
 // intra-op thread pool and calls the chunk kernels of the best instruction set this CPU has.
 // Reductions are combined per tensor in chunk order, so results do not depend on the thread count.
-#include <ATen/Parallel.h>
-#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,6 +14,7 @@
 #include <vector>
 
 #include "kernels/cpu/isa.h"
+#include "kernels/cpu/parallel.h"
 
 namespace apex::kernels::cpu {
 namespace {
@@ -99,8 +98,8 @@ Span span_of(const TensorLists& lists, const Chunk& c) {
 template <class Fn>
 void for_each_chunk(const TensorLists& lists, const std::vector<Chunk>& chunks, const Fn& fn) {
   const auto count = static_cast<int64_t>(chunks.size());
-  const int64_t parts = std::min<int64_t>(at::get_num_threads(), count);
-  if (parts <= 1 || at::in_parallel_region()) {
+  const int64_t parts = std::min<int64_t>(num_threads(), count);
+  if (parts <= 1 || in_parallel_region()) {
     for (int64_t c = 0; c < count; ++c) fn(span_of(lists, chunks[c]), c);
     return;
   }
@@ -114,7 +113,7 @@ void for_each_chunk(const TensorLists& lists, const std::vector<Chunk>& chunks, 
     while (t < parts && seen >= total * t / parts) first[static_cast<size_t>(t++)] = c;
     seen += chunks[static_cast<size_t>(c)].size;
   }
-  at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
+  parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
     for (int64_t part = b; part < e; ++part) {
       for (int64_t c = first[static_cast<size_t>(part)]; c < first[static_cast<size_t>(part) + 1];
            ++c) {

@@ -2,7 +2,6 @@
 // kernels of the best instruction set (kernels/cpu/isa.h). Weight/bias gradients are summed per
 // fixed block of rows in fp64 and the blocks combined in order: the result does not depend on
 // the thread count.
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <array>
@@ -13,6 +12,7 @@
 #include <utility>
 
 #include "kernels/cpu/isa.h"
+#include "kernels/cpu/parallel.h"
 #include "kernels/norm.h"
 
 namespace apex::kernels::cpu {
@@ -157,7 +157,7 @@ void norm_forward(const NormForwardArgs& a) {
   const void* b = in_place ? a.b : float_params(a.b, a.w_dtype, a.cols, Slot::kBias);
   // Scratch rows are used only to convert fp16 rows.
   const bool scratch = a.x_dtype == DType::kFloat16 || a.y_dtype == DType::kFloat16;
-  at::parallel_for(0, a.rows, grain(a.cols), [&](int64_t begin, int64_t end) {
+  parallel_for(0, a.rows, grain(a.cols), [&](int64_t begin, int64_t end) {
     float* rows =
         scratch ? workspace<float>(Slot::kRows, 2 * norm_scratch_stride(a.cols)) : nullptr;
     table().forward_rows(a, begin, end, w, b, wb, rows);
@@ -209,7 +209,7 @@ void norm_backward(const NormBackwardArgs& a) {
       a.dw != nullptr ? workspace<double>(Slot::kWeightSums, used * sum_stride) : nullptr;
   double* const db_sum =
       a.db != nullptr ? workspace<double>(Slot::kBiasSums, used * sum_stride) : nullptr;
-  at::parallel_for(0, used, grain(per_block * cols), [&](int64_t begin, int64_t end) {
+  parallel_for(0, used, grain(per_block * cols), [&](int64_t begin, int64_t end) {
     float* const scratch = workspace<float>(Slot::kRows, 5 * norm_scratch_stride(cols) + 1024);
     for (int64_t blk = begin; blk < end; ++blk) {
       NormBackwardBlock block;
@@ -232,7 +232,7 @@ void norm_backward(const NormBackwardArgs& a) {
   // waited). Each column's sums are added in block order whatever the split.
   const int64_t elem = dtype_size(a.dwb_dtype);
   const int64_t combine_grain = std::max<int64_t>(256, kGrainElements / (2 * used) / 256 * 256);
-  at::parallel_for(0, cols, combine_grain, [&](int64_t c0, int64_t c1) {
+  parallel_for(0, cols, combine_grain, [&](int64_t c0, int64_t c1) {
     for (double* const sum : {dw_sum, db_sum}) {
       if (sum == nullptr) continue;
       // Block 0's sums and a later block's never overlap (restrict: the loop vectorizes).

@@ -1,0 +1,534 @@
+// The Python package's second op library, on LibTorch's stable ABI: the multi-tensor ops of
+// apex.optimizers and amp_C (namespace apex_cpp_stable, the same schemas as apex_cpp's) over the
+// same CPU kernels, compiled with TORCH_TARGET_VERSION 2.10, so that one build loads into every
+// torch from 2.10 on. python/apex/_ops.py uses it when _apex_cpp.so (regular ABI, every op) was
+// built for another torch. It holds no ATen code: tensors are checked through the stable
+// accessors, scalars live on the host (CPU tensors only), the kernels' thread pool is
+// torch::stable::parallel_for (kernels/cpu/parallel.h).
+//
+// The messages are the regular op library's (src/bridge), so a test can compare both.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "kernels/multi_tensor.h"
+#include "schemas.h"
+
+namespace apex::python::stable {
+namespace {
+
+using torch::headeronly::ScalarType;
+
+// Throws std::runtime_error (a RuntimeError in Python) with the message alone, as TORCH_CHECK's
+// reach Python; STD_TORCH_CHECK would put the C++ function, file and line in front of it.
+template <class... Args>
+[[noreturn]] void fail(const Args&... args) {
+  std::ostringstream s;
+  (s << ... << args);
+  throw std::runtime_error(s.str());
+}
+#define APEX_CHECK(cond, ...)       \
+  do {                              \
+    if (!(cond)) fail(__VA_ARGS__); \
+  } while (false)
+using torch::stable::Tensor;
+using TensorList = std::vector<Tensor>;
+
+std::string dims(torch::headeronly::IntHeaderOnlyArrayRef d) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < d.size(); ++i) s << (i ? ", " : "") << d[i];
+  s << "]";
+  return s.str();
+}
+
+std::string device_name(const Tensor& t) {
+  if (t.is_cpu()) return "cpu";
+  std::ostringstream s;
+  s << (t.is_cuda() ? "cuda" : "device type ") << ":" << static_cast<int>(t.get_device_index());
+  return s.str();
+}
+
+const char* dtype_name(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float:
+      return "Float";
+    case ScalarType::Half:
+      return "Half";
+    case ScalarType::BFloat16:
+      return "BFloat16";
+    case ScalarType::Double:
+      return "Double";
+    case ScalarType::Long:
+      return "Long";
+    case ScalarType::Int:
+      return "Int";
+    case ScalarType::Bool:
+      return "Bool";
+    default:
+      return "a dtype other than float32, float16 or bfloat16";
+  }
+}
+
+void check_cpu(const Tensor& t, const char* who) {
+  APEX_CHECK(
+      t.is_cpu(), who, ": apex-cpp's stable-ABI op library runs on CPU tensors, got a tensor on ",
+      device_name(t), " (the regular op library, built for this torch, has the CUDA kernels)");
+}
+
+kernels::DType kernel_dtype(ScalarType t, const char* who) {
+  switch (t) {
+    case ScalarType::Float:
+      return kernels::DType::kFloat32;
+    case ScalarType::Half:
+      return kernels::DType::kFloat16;
+    case ScalarType::BFloat16:
+      return kernels::DType::kBFloat16;
+    default:
+      fail(who, ": expected float32, float16 or bfloat16 tensors, got ", dtype_name(t));
+  }
+  return kernels::DType::kFloat32;
+}
+
+// Non-overlapping and dense: some order of the dimensions makes the strides those of a
+// contiguous tensor (the kernels read numel elements from data_ptr).
+bool dense(const Tensor& t) {
+  if (t.numel() == 0) return true;
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  std::vector<size_t> order;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] != 1) order.push_back(d);
+  }
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return strides[a] < strides[b]; });
+  int64_t expected = 1;
+  for (size_t d : order) {
+    if (strides[d] != expected) return false;
+    expected *= sizes[d];
+  }
+  return true;
+}
+
+void check_list(const TensorList& list, const char* who, const char* arg) {
+  APEX_CHECK(!list.empty(), who, ": ", arg, " must not be empty");
+  const Tensor& first = list.front();
+  for (size_t i = 0; i < list.size(); ++i) {
+    const Tensor& t = list[i];
+    APEX_CHECK(t.defined(), who, ": ", arg, "[", i, "] is undefined");
+    check_cpu(t, who);
+    APEX_CHECK(t.scalar_type() == first.scalar_type(), who, ": all tensors of ", arg,
+               " must have one dtype, got ", dtype_name(first.scalar_type()), " at index 0 and ",
+               dtype_name(t.scalar_type()), " at index ", i);
+    APEX_CHECK(dense(t), who, ": ", arg, "[", i,
+               "] must be contiguous (non-overlapping and dense)");
+    kernel_dtype(t.scalar_type(), who);
+  }
+}
+
+void check_matching(const TensorList& ref, const TensorList& other, const char* who,
+                    const char* ref_name, const char* other_name) {
+  APEX_CHECK(ref.size() == other.size(), who, ": ", ref_name, " and ", other_name,
+             " must have the same length, got ", ref.size(), " and ", other.size());
+  for (size_t i = 0; i < ref.size(); ++i) {
+    APEX_CHECK(ref[i].sizes().vec() == other[i].sizes().vec(), who, ": ", other_name, "[", i,
+               "] has shape ", dims(other[i].sizes()), " but ", ref_name, "[", i, "] has shape ",
+               dims(ref[i].sizes()));
+    APEX_CHECK(ref[i].strides().vec() == other[i].strides().vec(), who, ": ", other_name, "[", i,
+               "] has strides ", dims(other[i].strides()), " but ", ref_name, "[", i,
+               "] has strides ", dims(ref[i].strides()));
+  }
+}
+
+using Named = std::pair<const TensorList*, const char*>;
+
+// The kernel's view of parallel lists: every required list checked and matching the first;
+// optional lists (index >= required) may be empty, and are then absent.
+class Lists {
+ public:
+  Lists(const char* who, const std::vector<Named>& ls, size_t required) {
+    const TensorList& ref = *ls.front().first;
+    for (size_t i = 0; i < ls.size(); ++i) {
+      const TensorList& l = *ls[i].first;
+      if (i >= required && l.empty()) continue;
+      check_list(l, who, ls[i].second);
+      if (i > 0) check_matching(ref, l, who, ls.front().second, ls[i].second);
+      view_.dtype[i] = kernel_dtype(l.front().scalar_type(), who);
+      ptrs_[i].reserve(l.size());
+      for (const Tensor& t : l) ptrs_[i].push_back(t.mutable_data_ptr());
+      view_.ptrs[i] = ptrs_[i].data();
+    }
+    for (const Tensor& t : ref) numel_.push_back(t.numel());
+    view_.num_tensors = static_cast<int64_t>(numel_.size());
+    view_.numel = numel_.data();
+  }
+  Lists(const Lists&) = delete;
+  Lists& operator=(const Lists&) = delete;
+
+  const kernels::TensorLists& view() const { return view_; }
+  int64_t size() const { return view_.num_tensors; }
+
+ private:
+  std::vector<int64_t> numel_;
+  std::vector<void*> ptrs_[kernels::kMaxLists];
+  kernels::TensorLists view_;
+};
+
+// One element of a CPU tensor of any real dtype, as a double.
+double read_scalar(const Tensor& t) {
+  const void* p = t.const_data_ptr();
+  switch (t.scalar_type()) {
+    case ScalarType::Float:
+      return *static_cast<const float*>(p);
+    case ScalarType::Double:
+      return *static_cast<const double*>(p);
+    case ScalarType::Half:
+      return static_cast<float>(*static_cast<const torch::headeronly::Half*>(p));
+    case ScalarType::BFloat16:
+      return static_cast<float>(*static_cast<const torch::headeronly::BFloat16*>(p));
+    case ScalarType::Long:
+      return static_cast<double>(*static_cast<const int64_t*>(p));
+    case ScalarType::Int:
+      return *static_cast<const int32_t*>(p);
+    case ScalarType::Short:
+      return *static_cast<const int16_t*>(p);
+    case ScalarType::Char:
+      return *static_cast<const int8_t*>(p);
+    case ScalarType::Byte:
+      return *static_cast<const uint8_t*>(p);
+    case ScalarType::Bool:
+      return *static_cast<const bool*>(p) ? 1.0 : 0.0;
+    default:
+      fail("apex-cpp: unsupported dtype for a scalar tensor: ", dtype_name(t.scalar_type()));
+  }
+  return 0.0;
+}
+
+void write_scalar(const Tensor& t, double v) {
+  void* p = t.mutable_data_ptr();
+  switch (t.scalar_type()) {
+    case ScalarType::Float:
+      *static_cast<float*>(p) = static_cast<float>(v);
+      return;
+    case ScalarType::Double:
+      *static_cast<double*>(p) = v;
+      return;
+    case ScalarType::Half:
+      *static_cast<torch::headeronly::Half*>(p) = static_cast<float>(v);
+      return;
+    case ScalarType::BFloat16:
+      *static_cast<torch::headeronly::BFloat16*>(p) = static_cast<float>(v);
+      return;
+    case ScalarType::Long:
+      *static_cast<int64_t*>(p) = static_cast<int64_t>(v);
+      return;
+    case ScalarType::Int:
+      *static_cast<int32_t*>(p) = static_cast<int32_t>(v);
+      return;
+    case ScalarType::Short:
+      *static_cast<int16_t*>(p) = static_cast<int16_t>(v);
+      return;
+    case ScalarType::Char:
+      *static_cast<int8_t*>(p) = static_cast<int8_t>(v);
+      return;
+    case ScalarType::Byte:
+      *static_cast<uint8_t*>(p) = static_cast<uint8_t>(v);
+      return;
+    case ScalarType::Bool:
+      *static_cast<bool*>(p) = v != 0.0;
+      return;
+    default:
+      fail("apex-cpp: unsupported dtype for a scalar tensor: ", dtype_name(t.scalar_type()));
+  }
+}
+
+void check_flag(const Tensor& flag, const char* who) {
+  APEX_CHECK(flag.defined() && flag.numel() == 1, who,
+             ": noop_flag must be a one-element tensor, got ", dims(flag.sizes()));
+  check_cpu(flag, who);
+}
+
+// apex's flag convention: the flag becomes max(flag, value).
+void raise_flag(const Tensor& noop, float value) {
+  if (value > read_scalar(noop)) write_scalar(noop, value);
+}
+
+// A one-element float32 CPU tensor's element, for the kernels' kernel-memory scalars.
+const float* scalar_ptr(const std::optional<Tensor>& t, const char* who, const char* name) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  APEX_CHECK(t->numel() == 1 && t->scalar_type() == ScalarType::Float, who, ": ", name,
+             " must be a one-element float32 tensor, got ", dtype_name(t->scalar_type()), " with ",
+             t->numel(), " elements");
+  check_cpu(*t, who);
+  return t->const_data_ptr<float>();
+}
+
+// ---- primitives ------------------------------------------------------------------------------
+
+void multi_tensor_scale(Tensor noop, TensorList src, TensorList dst, double scale) {
+  constexpr const char* who = "multi_tensor_scale";
+  check_flag(noop, who);
+  if (src.empty() && dst.empty()) return;
+  const Lists lists(who, {{&src, "src"}, {&dst, "dst"}}, 2);
+  float flag = 0.0f;
+  kernels::ScaleArgs args;
+  args.scale = static_cast<float>(scale);
+  args.found_inf = &flag;
+  kernels::cpu::scale(lists.view(), args);
+  raise_flag(noop, flag);
+}
+
+void multi_tensor_axpby(Tensor noop, TensorList x, TensorList y, TensorList out, double a, double b,
+                        int64_t arg_to_check) {
+  constexpr const char* who = "multi_tensor_axpby";
+  check_flag(noop, who);
+  APEX_CHECK(arg_to_check >= -1 && arg_to_check <= 1, who,
+             ": arg_to_check must be -1 (both), 0 (x) or 1 (y), got ", arg_to_check);
+  if (x.empty() && y.empty() && out.empty()) return;
+  const Lists lists(who, {{&x, "x"}, {&y, "y"}, {&out, "out"}}, 3);
+  float flag = 0.0f;
+  kernels::AxpbyArgs args;
+  args.a = static_cast<float>(a);
+  args.b = static_cast<float>(b);
+  args.arg_to_check = static_cast<int>(arg_to_check);
+  args.found_inf = &flag;
+  kernels::cpu::axpby(lists.view(), args);
+  raise_flag(noop, flag);
+}
+
+std::tuple<Tensor, Tensor> norms(const char* who, const Tensor& noop, const TensorList& x,
+                                 const std::optional<Tensor>& inv_scale, bool per_tensor) {
+  check_flag(noop, who);
+  if (x.empty()) {
+    return {torch::stable::new_zeros(noop, {1}, ScalarType::Float),
+            torch::stable::new_zeros(noop, {0}, ScalarType::Float)};
+  }
+  const Lists lists(who, {{&x, "x"}}, 1);
+  Tensor total = torch::stable::new_empty(x.front(), {1}, ScalarType::Float);
+  Tensor per = torch::stable::new_empty(
+      x.front(), {per_tensor ? static_cast<int64_t>(x.size()) : 0}, ScalarType::Float);
+  kernels::NormArgs args;
+  args.type = kernels::NormType::kL2;
+  args.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
+  args.total = total.mutable_data_ptr<float>();
+  args.per_tensor = per_tensor ? per.mutable_data_ptr<float>() : nullptr;
+  kernels::cpu::norm(lists.view(), args);
+  // apex's l2norm sets the flag on a non-finite value, which shows in the total.
+  if (!std::isfinite(*total.const_data_ptr<float>())) raise_flag(noop, 1.0f);
+  return {total, per};
+}
+
+std::tuple<Tensor, Tensor> multi_tensor_l2norm(Tensor noop, TensorList x, bool per_tensor) {
+  return norms("multi_tensor_l2norm", noop, x, std::nullopt, per_tensor);
+}
+
+std::tuple<Tensor, Tensor> multi_tensor_unscale_l2norm(Tensor noop, TensorList x, Tensor inv_scale,
+                                                       bool per_tensor) {
+  APEX_CHECK(inv_scale.defined(), "multi_tensor_unscale_l2norm: inv_scale must be defined");
+  return norms("multi_tensor_unscale_l2norm", noop, x, inv_scale, per_tensor);
+}
+
+// ---- optimizers ------------------------------------------------------------------------------
+
+void multi_tensor_adam(Tensor noop, TensorList g, TensorList p, TensorList m, TensorList v,
+                       TensorList master, double lr, double beta1, double beta2, double eps,
+                       int64_t step, bool adam_w_mode, bool bias_correction, double weight_decay,
+                       std::optional<Tensor> inv_scale, std::optional<Tensor> found_inf,
+                       std::optional<Tensor> lr_tensor, std::optional<Tensor> step_tensor) {
+  constexpr const char* who = "multi_tensor_adam";
+  check_flag(noop, who);
+  if (p.empty()) return;
+  const Lists lists(who,
+                    {{&p, "params"},
+                     {&g, "grads"},
+                     {&m, "exp_avgs"},
+                     {&v, "exp_avg_sqs"},
+                     {&master, "master_params"}},
+                    4);
+  APEX_CHECK(step >= 1 || step_tensor.has_value(), who, ": step must be >= 1, got ", step);
+  kernels::AdamArgs args;
+  args.lr = static_cast<float>(lr);
+  args.beta1 = static_cast<float>(beta1);
+  args.beta2 = static_cast<float>(beta2);
+  args.eps = static_cast<float>(eps);
+  args.weight_decay = static_cast<float>(weight_decay);
+  args.adam_w_mode = adam_w_mode;
+  args.bias_correction = bias_correction;
+  args.step = step;
+  args.lr_ptr = scalar_ptr(lr_tensor, who, "lr");
+  args.step_ptr = scalar_ptr(step_tensor, who, "step");
+  args.amp.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
+  args.amp.found_inf = scalar_ptr(found_inf, who, "found_inf");
+  kernels::cpu::adam(lists.view(), args);
+}
+
+void multi_tensor_sgd(Tensor noop, TensorList g, TensorList p, TensorList momentum_buf,
+                      TensorList master, double lr, double momentum, double dampening,
+                      double weight_decay, bool nesterov, bool first_run, bool wd_after_momentum,
+                      double scale) {
+  constexpr const char* who = "multi_tensor_sgd";
+  check_flag(noop, who);
+  if (p.empty()) return;
+  const Lists lists(who,
+                    {{&p, "params"},
+                     {&g, "grads"},
+                     {&momentum_buf, "momentum_buffers"},
+                     {&master, "master_params"}},
+                    2);
+  APEX_CHECK(momentum == 0 || !momentum_buf.empty(), who, ": momentum ", momentum,
+             " needs the momentum buffers");
+  // The step is skipped when the noop flag is already set (apex's early exit).
+  const float flag = static_cast<float>(read_scalar(noop));
+  const float inv = static_cast<float>(scale);
+  kernels::SgdArgs args;
+  args.lr = static_cast<float>(lr);
+  args.momentum = static_cast<float>(momentum);
+  args.dampening = static_cast<float>(dampening);
+  args.weight_decay = static_cast<float>(weight_decay);
+  args.nesterov = nesterov;
+  args.first_run = first_run;
+  args.wd_after_momentum = wd_after_momentum;
+  args.amp.inv_scale = &inv;
+  args.amp.found_inf = &flag;
+  kernels::cpu::sgd(lists.view(), args);
+}
+
+void multi_tensor_adagrad(Tensor noop, TensorList g, TensorList p, TensorList h, TensorList master,
+                          double lr, double eps, bool adagrad_w_mode, double weight_decay,
+                          std::optional<Tensor> inv_scale, std::optional<Tensor> found_inf) {
+  constexpr const char* who = "multi_tensor_adagrad";
+  check_flag(noop, who);
+  if (p.empty()) return;
+  const Lists lists(
+      who, {{&p, "params"}, {&g, "grads"}, {&h, "state_sums"}, {&master, "master_params"}}, 3);
+  kernels::AdagradArgs args;
+  args.lr = static_cast<float>(lr);
+  args.eps = static_cast<float>(eps);
+  args.weight_decay = static_cast<float>(weight_decay);
+  args.adagrad_w_mode = adagrad_w_mode;
+  args.amp.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
+  args.amp.found_inf = scalar_ptr(found_inf, who, "found_inf");
+  kernels::cpu::adagrad(lists.view(), args);
+}
+
+void multi_tensor_lamb(Tensor noop, TensorList g, TensorList p, TensorList m, TensorList v,
+                       TensorList master, double lr, double beta1, double beta2, double eps,
+                       int64_t step, bool bias_correction, double weight_decay, bool grad_averaging,
+                       bool adam_w_mode, Tensor global_grad_norm, double max_grad_norm,
+                       bool use_nvlamb, std::optional<Tensor> inv_scale,
+                       std::optional<Tensor> found_inf) {
+  constexpr const char* who = "multi_tensor_lamb";
+  check_flag(noop, who);
+  if (p.empty()) return;
+  const Lists lists(who,
+                    {{&p, "params"},
+                     {&g, "grads"},
+                     {&m, "exp_avgs"},
+                     {&v, "exp_avg_sqs"},
+                     {&master, "master_params"}},
+                    4);
+  APEX_CHECK(step >= 1, who, ": step must be >= 1, got ", step);
+  check_cpu(global_grad_norm, who);
+  std::vector<float> u_sumsq(static_cast<size_t>(lists.size()), 0.0f);
+  std::vector<float> p_sumsq(static_cast<size_t>(lists.size()), 0.0f);
+  const float gnorm = static_cast<float>(read_scalar(global_grad_norm));
+  kernels::LambArgs args;
+  args.lr = static_cast<float>(lr);
+  args.beta1 = static_cast<float>(beta1);
+  args.beta2 = static_cast<float>(beta2);
+  args.beta3 = kernels::grad_weight(beta1, grad_averaging);
+  args.eps = static_cast<float>(eps);
+  args.weight_decay = static_cast<float>(weight_decay);
+  args.bias_correction1 =
+      static_cast<float>(kernels::bias_correction(beta1, step, bias_correction));
+  args.bias_correction2 =
+      static_cast<float>(kernels::bias_correction(beta2, step, bias_correction));
+  args.adam_w_mode = adam_w_mode;
+  args.use_nvlamb = use_nvlamb;
+  args.max_grad_norm = static_cast<float>(max_grad_norm);
+  args.global_grad_norm = &gnorm;
+  args.u_sumsq = u_sumsq.data();
+  args.p_sumsq = p_sumsq.data();
+  args.amp.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
+  args.amp.found_inf = scalar_ptr(found_inf, who, "found_inf");
+  kernels::cpu::lamb_stage1(lists.view(), args);
+  kernels::cpu::lamb_stage2(lists.view(), args);
+}
+
+void multi_tensor_novograd(Tensor noop, TensorList g, TensorList p, TensorList m, TensorList master,
+                           Tensor v, double lr, double beta1, double beta2, double eps,
+                           int64_t step, bool bias_correction, double weight_decay,
+                           bool grad_averaging, bool reg_inside_moment,
+                           std::optional<Tensor> inv_scale, std::optional<Tensor> found_inf) {
+  constexpr const char* who = "multi_tensor_novograd";
+  check_flag(noop, who);
+  if (p.empty()) return;
+  const Lists lists(
+      who, {{&p, "params"}, {&g, "grads"}, {&m, "exp_avgs"}, {&master, "master_params"}}, 3);
+  APEX_CHECK(step >= 1, who, ": step must be >= 1, got ", step);
+  APEX_CHECK(v.numel() == static_cast<int64_t>(p.size()), who, ": grad_norms has ", v.numel(),
+             " elements, expected one per tensor (", p.size(), ")");
+  check_cpu(v, who);
+  // The blended norms as fp32, from any dtype and layout (one element per tensor).
+  Tensor flat = torch::stable::flatten(v);
+  std::vector<float> vf(p.size());
+  for (size_t i = 0; i < vf.size(); ++i) {
+    vf[i] =
+        static_cast<float>(read_scalar(torch::stable::narrow(flat, 0, static_cast<int64_t>(i), 1)));
+  }
+  kernels::NovoGradArgs args;
+  args.lr = static_cast<float>(lr);
+  args.beta1 = static_cast<float>(beta1);
+  args.beta3 = kernels::grad_weight(beta1, grad_averaging);
+  args.eps = static_cast<float>(eps);
+  args.weight_decay = static_cast<float>(weight_decay);
+  args.bias_correction1 =
+      static_cast<float>(kernels::bias_correction(beta1, step, bias_correction));
+  args.bias_correction2 =
+      static_cast<float>(std::sqrt(kernels::bias_correction(beta2, step, bias_correction)));
+  args.reg_inside_moment = reg_inside_moment;
+  args.v = vf.data();
+  args.amp.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
+  args.amp.found_inf = scalar_ptr(found_inf, who, "found_inf");
+  kernels::cpu::novograd(lists.view(), args);
+}
+
+std::string cpu_isa() { return kernels::cpu::isa_name(); }
+
+}  // namespace
+}  // namespace apex::python::stable
+
+// The schemas are apex_cpp's (schemas.h), so that the Python layer calls either library the
+// same way.
+STABLE_TORCH_LIBRARY(apex_cpp_stable, m) {
+#define APEX_PY_DEF(name, schema) m.def(schema);
+  APEX_PY_MULTI_TENSOR_OPS(APEX_PY_DEF)
+#undef APEX_PY_DEF
+  m.def("cpu_isa() -> str");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(apex_cpp_stable, CPU, m) {
+#define APEX_PY_IMPL(name, schema) m.impl(#name, TORCH_BOX(&apex::python::stable::name));
+  APEX_PY_MULTI_TENSOR_OPS(APEX_PY_IMPL)
+#undef APEX_PY_IMPL
+}
+
+// No tensor arguments: a kernel for every dispatch key.
+STABLE_TORCH_LIBRARY_IMPL(apex_cpp_stable, CompositeExplicitAutograd, m) {
+  m.impl("cpu_isa", TORCH_BOX(&apex::python::stable::cpu_isa));
+}
