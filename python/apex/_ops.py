@@ -31,8 +31,8 @@ def _torch_at_least(major, minor):
 class _StableOps:
     """The ops of _apex_cpp_stable.so (LibTorch's stable ABI: the multi-tensor ops and cpu_isa,
     on CPU tensors) under apex_cpp's names, and what the rest of the package asks of the others:
-    the CPU half-precision route is unavailable, the norms run on torch's ops
-    (apex._torch_norms), update_scale_hysteresis is the regular op's tensor code in Python, the
+    the CPU half-precision route is unavailable, the norms' autograd is Python's
+    (apex._stable_norms), update_scale_hysteresis is the regular op's tensor code in Python, the
     SyncBatchNorm kernels and the rest say to reinstall."""
 
     _ns = None
@@ -103,7 +103,7 @@ if STABLE:
         warnings.warn(
             f"apex (apex-cpp) was built for torch {_BUILT_FOR} and runs under torch "
             f"{torch.__version__} on its stable-ABI op library: optimizers, amp_C and amp on "
-            "apex-cpp's CPU kernels; norms on torch's ops; no CPU half-precision route, no CUDA "
+            "apex-cpp's CPU kernels; no CPU half-precision route, no CUDA "
             f"kernels, no SyncBatchNorm kernels. For all of it, {_REINSTALL}", stacklevel=2)
 else:
     torch.ops.load_library(_LIB)
@@ -143,62 +143,65 @@ def _register_multi_tensor_fakes(ns):
 _register_multi_tensor_fakes(_NS)
 
 
+def _rows(input, normalized_shape):
+    rows = 1
+    for d in input.shape[: input.dim() - len(normalized_shape)]:
+        rows *= d
+    return rows
+
+
+def _norm_fwd_fake(input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient):
+    rows = _rows(input, normalized_shape)
+    out_dtype = weight.dtype if mixed else input.dtype
+    y = torch.empty(input.shape, dtype=out_dtype, device=input.device)
+    # Statistics are fp32, or float64 on the float64 path (any float64 input).
+    f64 = any(t is not None and t.dtype == torch.float64 for t in (input, weight, bias))
+    stat = torch.float64 if f64 else torch.float32
+    mean = input.new_empty((0 if rms else rows,), dtype=stat)
+    rstd = input.new_empty((rows,), dtype=stat)
+    return y, mean, rstd
+
+
+def _norm_bwd_fake(grad_out, saved, mean, rstd, weight, bias, normalized_shape, eps, rms, mixed,
+                   memory_efficient, input_dtype, output_mask):
+    dx = (torch.empty(saved.shape, dtype=input_dtype, device=saved.device) if output_mask[0]
+          else saved.new_empty((0,)))
+    param = weight if weight is not None else bias
+    dw = (torch.empty_like(weight) if output_mask[1] and weight is not None
+          else saved.new_empty((0,)))
+    db = (torch.empty(param.shape, dtype=bias.dtype, device=saved.device)
+          if output_mask[2] and bias is not None else saved.new_empty((0,)))
+    return dx, dw, db
+
+
+def _register_norm_fakes(ns):
+    """The fakes of the norms' forward and backward, which both libraries have, in namespace ns."""
+    torch.library.register_fake(f"{ns}::fused_norm_fwd")(_norm_fwd_fake)
+    torch.library.register_fake(f"{ns}::fused_norm_bwd")(_norm_bwd_fake)
+
+
+_register_norm_fakes(_NS)
+
+
 if not STABLE:  # the ops below are in the regular library only
     torch.library.register_fake("apex_cpp::update_scale_hysteresis")(lambda *a, **k: None)
-
-    def _rows(input, normalized_shape):
-        rows = 1
-        for d in input.shape[: input.dim() - len(normalized_shape)]:
-            rows *= d
-        return rows
-
-
-    @torch.library.register_fake("apex_cpp::fused_norm_fwd")
-    def _norm_fwd_fake(input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient):
-        rows = _rows(input, normalized_shape)
-        out_dtype = weight.dtype if mixed else input.dtype
-        y = torch.empty(input.shape, dtype=out_dtype, device=input.device)
-        # Statistics are fp32, or float64 on the float64 path (any float64 input).
-        f64 = any(t is not None and t.dtype == torch.float64 for t in (input, weight, bias))
-        stat = torch.float64 if f64 else torch.float32
-        mean = input.new_empty((0 if rms else rows,), dtype=stat)
-        rstd = input.new_empty((rows,), dtype=stat)
-        return y, mean, rstd
-
 
     @torch.library.register_fake("apex_cpp::fused_norm")
     def _norm_fake(input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient):
         out_dtype = weight.dtype if mixed else input.dtype
         return torch.empty(input.shape, dtype=out_dtype, device=input.device)
 
-
-    @torch.library.register_fake("apex_cpp::fused_norm_bwd")
-    def _norm_bwd_fake(grad_out, saved, mean, rstd, weight, bias, normalized_shape, eps, rms, mixed,
-                       memory_efficient, input_dtype, output_mask):
-        dx = (torch.empty(saved.shape, dtype=input_dtype, device=saved.device) if output_mask[0]
-              else saved.new_empty((0,)))
-        param = weight if weight is not None else bias
-        dw = (torch.empty_like(weight) if output_mask[1] and weight is not None
-              else saved.new_empty((0,)))
-        db = (torch.empty(param.shape, dtype=bias.dtype, device=saved.device)
-              if output_mask[2] and bias is not None else saved.new_empty((0,)))
-        return dx, dw, db
-
-
     @torch.library.register_fake("apex_cpp::batch_norm_stats")
     def _bn_stats_fake(input):
         return input.new_empty((2 * input.shape[1] + 1,), dtype=torch.float64)
-
 
     @torch.library.register_fake("apex_cpp::batch_norm_elemt")
     def _bn_elemt_fake(input, mean, scale, shift):
         return torch.empty_like(input)
 
-
     @torch.library.register_fake("apex_cpp::batch_norm_backward_reduce")
     def _bn_reduce_fake(grad_out, input, mean):
         return input.new_empty((2 * input.shape[1],), dtype=torch.float64)
-
 
     @torch.library.register_fake("apex_cpp::batch_norm_backward_elemt")
     def _bn_bwd_elemt_fake(grad_out, input, mean, a, b, k):

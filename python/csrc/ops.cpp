@@ -648,17 +648,11 @@ TORCH_LIBRARY(apex_cpp, m) {
       "update_scale_hysteresis(Tensor(a!) current_scale, Tensor(b!) growth_tracker, "
       "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
       "float backoff_factor, int growth_interval, int hysteresis) -> ()");
-  m.def(
-      "fused_norm_fwd(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, "
-      "float eps, bool rms, bool mixed, bool memory_efficient) -> (Tensor, Tensor, Tensor)");
+  m.def(APEX_PY_NORM_FWD_SCHEMA);
   m.def(
       "fused_norm(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
       "bool rms, bool mixed, bool memory_efficient) -> Tensor");
-  m.def(
-      "fused_norm_bwd(Tensor grad_out, Tensor saved, Tensor mean, Tensor rstd, Tensor? weight, "
-      "Tensor? bias, int[] normalized_shape, float eps, bool rms, bool mixed, "
-      "bool memory_efficient, ScalarType input_dtype, bool[3] output_mask) -> "
-      "(Tensor, Tensor, Tensor)");
+  m.def(APEX_PY_NORM_BWD_SCHEMA);
   m.def("batch_norm_stats(Tensor input) -> Tensor");
   m.def("batch_norm_elemt(Tensor input, Tensor mean, Tensor scale, Tensor shift) -> Tensor");
   m.def("batch_norm_backward_reduce(Tensor grad_out, Tensor input, Tensor mean) -> Tensor");

@@ -42,3 +42,12 @@
     "beta1, float beta2, float eps, int step, bool bias_correction, float weight_decay, bool "     \
     "grad_averaging, bool reg_inside_moment, Tensor? inv_scale=None, Tensor? found_inf=None) -> "  \
     "()")
+
+// The norms' forward and backward (fused_norm, the modules' op, is the regular library's alone).
+#define APEX_PY_NORM_FWD_SCHEMA                                                                    \
+  "fused_norm_fwd(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, " \
+  "bool rms, bool mixed, bool memory_efficient) -> (Tensor, Tensor, Tensor)"
+#define APEX_PY_NORM_BWD_SCHEMA                                                                    \
+  "fused_norm_bwd(Tensor grad_out, Tensor saved, Tensor mean, Tensor rstd, Tensor? weight, "       \
+  "Tensor? bias, int[] normalized_shape, float eps, bool rms, bool mixed, bool memory_efficient, " \
+  "ScalarType input_dtype, bool[3] output_mask) -> (Tensor, Tensor, Tensor)"

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "kernels/multi_tensor.h"
+#include "kernels/norm.h"
 #include "schemas.h"
 
 namespace apex::python::stable {
@@ -508,6 +509,152 @@ void multi_tensor_novograd(Tensor noop, TensorList g, TensorList p, TensorList m
   kernels::cpu::novograd(lists.view(), args);
 }
 
+// ---- norms -------------------------------------------------------------------------------------
+// fused_norm_fwd / fused_norm_bwd for fp32, bf16 and fp16 CPU tensors: the regular library's
+// glue (src/normalization/norm.cpp) without its float64 path, which apex._stable_norms computes
+// with torch's ops. Autograd and autocast are Python's here (apex._stable_norms): the stable ABI
+// registers kernels for backend keys, not autograd nodes.
+
+const char* norm_who(bool rms) { return rms ? "FusedRMSNorm" : "FusedLayerNorm"; }
+
+struct Geometry {
+  int64_t rows;
+  int64_t cols;
+};
+
+Geometry check_norm_inputs(const char* who, const Tensor& x, const std::vector<int64_t>& shape,
+                           const std::optional<Tensor>& w, const std::optional<Tensor>& b,
+                           double eps) {
+  APEX_CHECK(x.defined(), who, ": input is undefined");
+  const ScalarType xt = x.scalar_type();
+  APEX_CHECK(xt == ScalarType::Float || xt == ScalarType::Double || xt == ScalarType::Half ||
+                 xt == ScalarType::BFloat16,
+             who, ": input must be a floating-point tensor, got ", dtype_name(xt));
+  APEX_CHECK(eps > 0, who, ": eps must be > 0, got ", eps);
+  APEX_CHECK(!shape.empty(), who, ": normalized_shape must not be empty");
+  const auto nd = static_cast<int64_t>(shape.size());
+  const std::vector<int64_t> sizes = x.sizes().vec();
+  APEX_CHECK(x.dim() >= nd && std::equal(shape.begin(), shape.end(), sizes.end() - nd), who,
+             ": normalized_shape ", dims(shape), " does not match the trailing dimensions of an ",
+             "input of shape ", dims(x.sizes()));
+  for (const auto* t : {&w, &b}) {
+    if (!t->has_value()) continue;
+    const char* name = t == &w ? "weight" : "bias";
+    APEX_CHECK((*t)->sizes().vec() == shape, who, ": ", name, " must have shape ", dims(shape),
+               ", got ", dims((*t)->sizes()));
+    check_cpu(**t, who);
+  }
+  check_cpu(x, who);
+  int64_t cols = 1;
+  for (int64_t d : shape) cols *= d;
+  return {cols == 0 ? 0 : x.numel() / cols, cols};
+}
+
+std::optional<Tensor> contiguous(const std::optional<Tensor>& t) {
+  if (!t.has_value()) return std::nullopt;
+  return torch::stable::contiguous(*t);
+}
+
+std::tuple<Tensor, Tensor, Tensor> fused_norm_fwd(Tensor input, std::vector<int64_t> shape,
+                                                  std::optional<Tensor> weight,
+                                                  std::optional<Tensor> bias, double eps, bool rms,
+                                                  bool mixed, bool memory_efficient) {
+  const char* who = norm_who(rms);
+  const Geometry g = check_norm_inputs(who, input, shape, weight, bias, eps);
+  const Tensor x = torch::stable::contiguous(input);
+  const std::optional<Tensor> w = contiguous(weight);
+  const std::optional<Tensor> b = contiguous(bias);
+  APEX_CHECK(!w || !b || w->scalar_type() == b->scalar_type(), who,
+             ": weight and bias must have the same dtype, got ", dtype_name(w->scalar_type()),
+             " and ", dtype_name(b->scalar_type()));
+  // The mixed variants return the parameters' dtype (apex's MixedFused* definition).
+  const ScalarType out_dtype = mixed && w ? w->scalar_type() : x.scalar_type();
+  kernels::NormForwardArgs a;
+  a.rows = g.rows;
+  a.cols = g.cols;
+  a.rms = rms;
+  a.eps = static_cast<float>(eps);
+  a.x_dtype = kernel_dtype(x.scalar_type(), who);
+  a.y_dtype = kernel_dtype(out_dtype, who);
+  if (w) a.w_dtype = kernel_dtype(w->scalar_type(), who);
+  if (b) a.w_dtype = kernel_dtype(b->scalar_type(), who);
+  Tensor y = torch::stable::new_empty(x, x.sizes(), out_dtype);
+  Tensor mean = torch::stable::new_empty(x, {rms ? 0 : g.rows}, ScalarType::Float);
+  Tensor rstd = torch::stable::new_empty(x, {g.rows}, ScalarType::Float);
+  a.x = x.const_data_ptr();
+  a.w = w ? w->const_data_ptr() : nullptr;
+  a.b = b ? b->const_data_ptr() : nullptr;
+  a.y = y.mutable_data_ptr();
+  a.mean = rms ? nullptr : mean.mutable_data_ptr<float>();
+  a.rstd = rstd.mutable_data_ptr<float>();
+  if (g.rows > 0 && g.cols > 0) kernels::cpu::norm_forward(a);
+  return {y, mean, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor> fused_norm_bwd(
+    Tensor grad_out, Tensor saved, Tensor mean, Tensor rstd, std::optional<Tensor> weight,
+    std::optional<Tensor> bias, std::vector<int64_t> shape, double eps, bool rms, bool mixed,
+    bool memory_efficient, ScalarType input_dtype, std::vector<bool> output_mask) {
+  const char* who = norm_who(rms);
+  const Geometry g = check_norm_inputs(who, saved, shape, weight, bias, eps);
+  APEX_CHECK(output_mask.size() == 3, who, ": output_mask must have 3 entries");
+  APEX_CHECK(grad_out.sizes().vec() == saved.sizes().vec(), who, ": the gradient has shape ",
+             dims(grad_out.sizes()), ", expected the output's ", dims(saved.sizes()));
+  APEX_CHECK(rstd.numel() == g.rows && (rms || memory_efficient || mean.numel() == g.rows), who,
+             ": the saved statistics have ", rstd.numel(), " rows, expected ", g.rows);
+  check_cpu(grad_out, who);
+  const Tensor dy = torch::stable::contiguous(grad_out);
+  const Tensor src = torch::stable::contiguous(saved);
+  const std::optional<Tensor> w = contiguous(weight);
+  const std::optional<Tensor> b = contiguous(bias);
+  const Tensor mean_c = torch::stable::contiguous(mean);
+  const Tensor rstd_c = torch::stable::contiguous(rstd);
+  const bool want_dx = output_mask[0];
+  const bool want_w = output_mask[1] && w.has_value();
+  const bool want_b = output_mask[2] && b.has_value();
+  // dw and db in the parameters' dtype (the weight's, or the bias's when there is no weight).
+  const ScalarType w_dtype = w ? w->scalar_type() : b ? b->scalar_type() : ScalarType::Float;
+  const int64_t cols = g.cols;
+  Tensor empty = torch::stable::new_empty(src, {0});
+  Tensor dx = want_dx ? torch::stable::new_empty(src, src.sizes(), input_dtype) : empty;
+  Tensor dw = want_w ? torch::stable::new_empty(src, {cols}, w_dtype) : empty;
+  Tensor db = want_b ? torch::stable::new_empty(src, {cols}, w_dtype) : empty;
+  kernels::NormBackwardArgs a;
+  a.rows = g.rows;
+  a.cols = cols;
+  a.rms = rms;
+  a.eps = static_cast<float>(eps);
+  a.x_dtype = kernel_dtype(input_dtype, who);
+  a.dy_dtype = kernel_dtype(dy.scalar_type(), who);
+  APEX_CHECK(!memory_efficient || src.scalar_type() == dy.scalar_type(), who,
+             ": the gradient's dtype ", dtype_name(dy.scalar_type()), " differs from the output's ",
+             dtype_name(src.scalar_type()));
+  if (w) a.w_dtype = kernel_dtype(w->scalar_type(), who);
+  if (b && memory_efficient) a.w_dtype = kernel_dtype(b->scalar_type(), who);
+  a.dy = dy.const_data_ptr();
+  a.x = memory_efficient ? nullptr : src.const_data_ptr();
+  a.y = memory_efficient ? src.const_data_ptr() : nullptr;
+  a.w = w ? w->const_data_ptr() : nullptr;
+  a.b = b && memory_efficient ? b->const_data_ptr() : nullptr;
+  a.mean = rms || memory_efficient ? nullptr : mean_c.const_data_ptr<float>();
+  a.rstd = rstd_c.const_data_ptr<float>();
+  a.dx = want_dx ? dx.mutable_data_ptr() : nullptr;
+  a.dw = want_w ? dw.mutable_data_ptr() : nullptr;
+  a.db = want_b ? db.mutable_data_ptr() : nullptr;
+  if (want_w || want_b) a.dwb_dtype = kernel_dtype(w_dtype, who);
+  if (g.rows > 0 && cols > 0) {
+    kernels::cpu::norm_backward(a);
+  } else {
+    for (Tensor* t : {&dx, &dw, &db}) {
+      if (t->numel() > 0) torch::stable::zero_(*t);
+    }
+  }
+  const auto as_param = [&](Tensor& t) {
+    return t.numel() > 0 || (t.dim() == 1 && cols == 0) ? torch::stable::reshape(t, shape) : t;
+  };
+  return {dx, want_w ? as_param(dw) : dw, want_b ? as_param(db) : db};
+}
+
 std::string cpu_isa() { return kernels::cpu::isa_name(); }
 
 }  // namespace
@@ -519,6 +666,8 @@ STABLE_TORCH_LIBRARY(apex_cpp_stable, m) {
 #define APEX_PY_DEF(name, schema) m.def(schema);
   APEX_PY_MULTI_TENSOR_OPS(APEX_PY_DEF)
 #undef APEX_PY_DEF
+  m.def(APEX_PY_NORM_FWD_SCHEMA);
+  m.def(APEX_PY_NORM_BWD_SCHEMA);
   m.def("cpu_isa() -> str");
 }
 
@@ -526,6 +675,8 @@ STABLE_TORCH_LIBRARY_IMPL(apex_cpp_stable, CPU, m) {
 #define APEX_PY_IMPL(name, schema) m.impl(#name, TORCH_BOX(&apex::python::stable::name));
   APEX_PY_MULTI_TENSOR_OPS(APEX_PY_IMPL)
 #undef APEX_PY_IMPL
+  m.impl("fused_norm_fwd", TORCH_BOX(&apex::python::stable::fused_norm_fwd));
+  m.impl("fused_norm_bwd", TORCH_BOX(&apex::python::stable::fused_norm_bwd));
 }
 
 // No tensor arguments: a kernel for every dispatch key.

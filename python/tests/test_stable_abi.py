@@ -17,10 +17,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PKG = os.path.dirname(os.path.abspath(apex.__file__))
 NAMES = ["multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm",
          "multi_tensor_unscale_l2norm", "multi_tensor_adam", "multi_tensor_sgd",
-         "multi_tensor_adagrad", "multi_tensor_lamb", "multi_tensor_novograd"]
+         "multi_tensor_adagrad", "multi_tensor_lamb", "multi_tensor_novograd", "fused_norm_fwd",
+         "fused_norm_bwd"]
 
 torch.ops.load_library(os.path.join(PKG, "_apex_cpp_stable.so"))
 _ops._register_multi_tensor_fakes("apex_cpp_stable")
+_ops._register_norm_fakes("apex_cpp_stable")
 R = torch.ops.apex_cpp
 S = torch.ops.apex_cpp_stable
 
@@ -127,6 +129,57 @@ def test_bit_equal_with_fp32_masters(master_dtype):
     assert_bit_equal(rs, ss)
 
 
+@pytest.mark.parametrize("dtype,param_dtype", [(torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16),
+                                               (torch.float16, torch.float16),
+                                               (torch.bfloat16, torch.float32),
+                                               (torch.float16, torch.float32)])
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.parametrize("shape", [(7, 33), (2, 3, 256), (0, 16)])
+def test_norms_bit_equal_to_the_regular_library(dtype, param_dtype, rms, memory_efficient, shape):
+    g = torch.Generator().manual_seed(11)
+    cols = shape[-1]
+    x = torch.randn(shape, generator=g).to(dtype)
+    w = (torch.randn(cols, generator=g) + 1.5).to(param_dtype)
+    b = None if rms else torch.randn(cols, generator=g).to(param_dtype)
+    mixed = param_dtype != dtype
+    x_t = x.transpose(0, 1) if len(shape) == 3 else x  # a non-contiguous input too
+    outs = []
+    for ops in (R, S):
+        y, mean, rstd = ops.fused_norm_fwd(x_t, [cols], w, b, 1e-5, rms, mixed, memory_efficient)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y.dtype)
+        saved = y if memory_efficient else x_t
+        grads = ops.fused_norm_bwd(dy, saved, mean, rstd, w, b, [cols], 1e-5, rms, mixed,
+                                   memory_efficient, dtype, [True, True, not rms])
+        partial = ops.fused_norm_bwd(dy, saved, mean, rstd, w, b, [cols], 1e-5, rms, mixed,
+                                     memory_efficient, dtype, [False, True, False])
+        outs.append((y, mean, rstd, grads, partial))
+    assert_bit_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("bad", [
+    lambda ops: ops.fused_norm_fwd(torch.randn(4, 15), [16], None, None, 1e-5, False, False,
+                                   False),
+    lambda ops: ops.fused_norm_fwd(torch.randn(4, 16), [16], None, None, 0.0, False, False, False),
+    lambda ops: ops.fused_norm_fwd(torch.ones(4, 16, dtype=torch.int64), [16], None, None, 1e-5,
+                                   False, False, False),
+    lambda ops: ops.fused_norm_fwd(torch.randn(4, 16), [16], torch.ones(8), None, 1e-5, False,
+                                   False, False),
+    lambda ops: ops.fused_norm_fwd(torch.randn(4, 16), [16], torch.ones(16),
+                                   torch.ones(16, dtype=torch.bfloat16), 1e-5, False, False,
+                                   False),
+    lambda ops: ops.fused_norm_bwd(torch.randn(4, 8), torch.randn(4, 16), torch.zeros(4),
+                                   torch.ones(4), None, None, [16], 1e-5, False, False, False,
+                                   torch.float32, [True, False, False]),
+    lambda ops: ops.fused_norm_bwd(torch.randn(4, 16), torch.randn(4, 16), torch.zeros(3),
+                                   torch.ones(3), None, None, [16], 1e-5, False, False, False,
+                                   torch.float32, [True, False, False]),
+])
+def test_norms_same_messages(bad):
+    assert message(lambda: bad(S)) == message(lambda: bad(R))
+
+
 def test_noop_flag_and_skips_as_the_regular_library():
     x = [torch.tensor([1.0, float("inf")]), torch.ones(3)]
     for dtype in (torch.int32, torch.float32, torch.uint8):
@@ -204,6 +257,12 @@ def test_opcheck_stable_ops():
     opcheck(S.multi_tensor_l2norm.default, (torch.zeros(1), g, True))
     opcheck(S.multi_tensor_scale.default, (torch.zeros(1), g, [torch.empty_like(t) for t in g],
                                            2.0))
+    x = torch.randn(6, 32, dtype=torch.bfloat16)
+    w, b = torch.randn(32), torch.randn(32)
+    opcheck(S.fused_norm_fwd.default, (x, [32], w, b, 1e-5, False, True, False))
+    y, mean, rstd = S.fused_norm_fwd(x, [32], w, b, 1e-5, False, True, False)
+    opcheck(S.fused_norm_bwd.default, (torch.randn_like(y), x, mean, rstd, w, b, [32], 1e-5, False,
+                                       True, False, torch.bfloat16, [True, True, True]))
 
 
 def run(cmd, env=None, cwd=None):

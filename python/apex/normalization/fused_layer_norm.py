@@ -19,10 +19,11 @@ from apex import _ops
 from apex._ops import ops
 
 if _ops.STABLE:
-    # The stable-ABI op library has no norms: torch's ops compute them (apex._torch_norms).
-    from apex._torch_norms import norm as _norm_call
-    from apex._torch_norms import norm_bwd as _bwd
-    from apex._torch_norms import norm_fwd as _fwd
+    # The stable-ABI op library's forward and backward, with autograd and autocast in Python
+    # (apex._stable_norms).
+    from apex._stable_norms import bwd as _bwd
+    from apex._stable_norms import fwd as _fwd
+    from apex._stable_norms import norm as _norm_call
     _direct = _direct_fwd = None
 else:
     try:

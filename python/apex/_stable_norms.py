@@ -1,11 +1,17 @@
-"""LayerNorm and RMSNorm on torch's own ops, with the semantics of apex_cpp's fused_norm,
-fused_norm_fwd and fused_norm_bwd (python/csrc/ops.cpp): used where the package runs on its
-stable-ABI op library, which has no norms (apex._ops.STABLE). Math in fp32, or float64 when any
-operand is float64; the output in the input's dtype, or the parameters' for the mixed variants;
-memory-efficient mode saves the output and recovers x_hat from it, dividing by the weight clamped
-by magnitude to at least eps, as apex does.
+"""apex.normalization's ops where the package runs on its stable-ABI op library
+(apex._ops.STABLE): fused_norm_fwd and fused_norm_bwd of _apex_cpp_stable.so (apex-cpp's CPU
+kernels) for fp32, bf16 and fp16 CPU tensors, and the same semantics on torch's own ops for
+float64 (the regular library's float64 path) and for other devices (the stable library has CPU
+kernels only). The autograd node and the autocast rule of apex_cpp::fused_norm are here in
+Python, since the stable ABI registers backend kernels only.
+
+Semantics: math in fp32, or float64 when any operand is float64; the output in the input's dtype,
+or the parameters' for the mixed variants; memory-efficient mode saves the output and recovers
+x_hat from it, dividing by the weight clamped by magnitude to at least eps, as apex does.
 """
 import torch
+
+from apex import _ops
 
 
 def _compute_dtype(*tensors):
@@ -47,8 +53,35 @@ def _rows_cols(input, shape):
     return input.numel() // cols if cols else 0, cols
 
 
-def norm_fwd(input, shape, weight, bias, eps, rms, mixed, memory_efficient):
-    """(y, mean, rstd): mean is empty for RMSNorm; statistics per row in the compute dtype."""
+def _kernel(*tensors):
+    """Whether the stable library's kernels take these operands (fp32, bf16, fp16 on the CPU)."""
+    return _ops.STABLE and all(t is None or (t.device.type == "cpu" and t.dtype != torch.float64)
+                               for t in tensors)
+
+
+def fwd(input, shape, weight, bias, eps, rms, mixed, memory_efficient):
+    """fused_norm_fwd: (y, mean, rstd)."""
+    if _kernel(input, weight, bias):
+        return _ops.ops.fused_norm_fwd(input, list(shape), weight, bias, float(eps), rms, mixed,
+                                       memory_efficient)
+    return torch_fwd(input, shape, weight, bias, eps, rms, mixed, memory_efficient)
+
+
+def bwd(grad_out, saved, mean, rstd, weight, bias, shape, eps, rms, mixed, memory_efficient,
+        input_dtype, output_mask):
+    """fused_norm_bwd: (dx, dw, db), empty where not wanted."""
+    if (_kernel(grad_out, saved, weight, bias) and rstd.dtype == torch.float32
+            and input_dtype != torch.float64):
+        return _ops.ops.fused_norm_bwd(grad_out, saved, mean, rstd, weight, bias, list(shape),
+                                       float(eps), rms, mixed, memory_efficient, input_dtype,
+                                       [bool(m) for m in output_mask])
+    return torch_bwd(grad_out, saved, mean, rstd, weight, bias, shape, eps, rms, mixed,
+                     memory_efficient, input_dtype, output_mask)
+
+
+def torch_fwd(input, shape, weight, bias, eps, rms, mixed, memory_efficient):
+    """(y, mean, rstd) on torch's ops: mean is empty for RMSNorm; statistics per row in the compute
+    dtype."""
     _check("FusedRMSNorm" if rms else "FusedLayerNorm", input, shape, weight, bias, eps)
     ct = _compute_dtype(input, weight, bias)
     rows, cols = _rows_cols(input, shape)
@@ -74,9 +107,10 @@ def _divisor(w, eps):
     return torch.where(w >= 0, torch.clamp(w, min=eps), torch.clamp(w, max=-eps))
 
 
-def norm_bwd(grad_out, saved, mean, rstd, weight, bias, shape, eps, rms, mixed, memory_efficient,
-             input_dtype, output_mask):
-    """(dx, dw, db), empty where not wanted; saved is x, or y in memory-efficient mode."""
+def torch_bwd(grad_out, saved, mean, rstd, weight, bias, shape, eps, rms, mixed,
+              memory_efficient, input_dtype, output_mask):
+    """(dx, dw, db) on torch's ops, empty where not wanted; saved is x, or y in memory-efficient
+    mode."""
     ct = _compute_dtype(saved, weight, bias, rstd)
     rows, cols = _rows_cols(saved, shape)
     dy = grad_out.to(ct).reshape(rows, cols)
@@ -108,7 +142,7 @@ def norm_bwd(grad_out, saved, mean, rstd, weight, bias, shape, eps, rms, mixed, 
 class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, shape, eps, rms, mixed, memory_efficient):
-        y, mean, rstd = norm_fwd(input, shape, weight, bias, eps, rms, mixed, memory_efficient)
+        y, mean, rstd = fwd(input, shape, weight, bias, eps, rms, mixed, memory_efficient)
         ctx.spec = (shape, eps, rms, mixed, memory_efficient, input.dtype)
         ctx.save_for_backward(y if memory_efficient else input, mean, rstd, weight, bias)
         return y
@@ -119,8 +153,8 @@ class _Norm(torch.autograd.Function):
         shape, eps, rms, mixed, memory_efficient, input_dtype = ctx.spec
         wants = ctx.needs_input_grad
         mask = [wants[0], weight is not None and wants[1], bias is not None and wants[2]]
-        dx, dw, db = norm_bwd(grad_out, saved, mean, rstd, weight, bias, shape, eps, rms, mixed,
-                              memory_efficient, input_dtype, mask)
+        dx, dw, db = bwd(grad_out, saved, mean, rstd, weight, bias, shape, eps, rms, mixed,
+                         memory_efficient, input_dtype, mask)
         return (dx if mask[0] else None, dw if mask[1] else None, db if mask[2] else None,
                 None, None, None, None, None)
 
