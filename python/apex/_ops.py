@@ -78,7 +78,9 @@ class _StableOps:
 
     def __getattr__(self, name):
         if hasattr(torch.ops.apex_cpp_stable, name):
-            return getattr(torch.ops.apex_cpp_stable, name)
+            op = getattr(torch.ops.apex_cpp_stable, name)
+            setattr(self, name, op)  # found once; later lookups are plain attribute reads
+            return op
         raise RuntimeError(
             f"apex (apex-cpp): {name} is in the op library built for torch {_BUILT_FOR}, not in the "
             f"stable-ABI library that serves torch {torch.__version__}; {_REINSTALL}")

@@ -53,16 +53,26 @@ def _rows_cols(input, shape):
     return input.numel() // cols if cols else 0, cols
 
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+if _ops.STABLE:
+    _fwd_op = torch.ops.apex_cpp_stable.fused_norm_fwd.default
+    _bwd_op = torch.ops.apex_cpp_stable.fused_norm_bwd.default
+
+
 def _kernel(*tensors):
     """Whether the stable library's kernels take these operands (fp32, bf16, fp16 on the CPU)."""
-    return _ops.STABLE and all(t is None or (t.device.type == "cpu" and t.dtype != torch.float64)
-                               for t in tensors)
+    if not _ops.STABLE:
+        return False
+    for t in tensors:
+        if t is not None and (t.dtype not in _KERNEL_DTYPES or t.device.type != "cpu"):
+            return False
+    return True
 
 
 def fwd(input, shape, weight, bias, eps, rms, mixed, memory_efficient):
     """fused_norm_fwd: (y, mean, rstd)."""
     if _kernel(input, weight, bias):
-        return _ops.ops.fused_norm_fwd(input, list(shape), weight, bias, float(eps), rms, mixed,
+        return _fwd_op(input, list(shape), weight, bias, float(eps), rms, mixed,
                                        memory_efficient)
     return torch_fwd(input, shape, weight, bias, eps, rms, mixed, memory_efficient)
 
@@ -72,7 +82,7 @@ def bwd(grad_out, saved, mean, rstd, weight, bias, shape, eps, rms, mixed, memor
     """fused_norm_bwd: (dx, dw, db), empty where not wanted."""
     if (_kernel(grad_out, saved, weight, bias) and rstd.dtype == torch.float32
             and input_dtype != torch.float64):
-        return _ops.ops.fused_norm_bwd(grad_out, saved, mean, rstd, weight, bias, list(shape),
+        return _bwd_op(grad_out, saved, mean, rstd, weight, bias, list(shape),
                                        float(eps), rms, mixed, memory_efficient, input_dtype,
                                        [bool(m) for m in output_mask])
     return torch_bwd(grad_out, saved, mean, rstd, weight, bias, shape, eps, rms, mixed,
