@@ -37,6 +37,9 @@ def test_fresh_venv_install_and_import(tmp_path):
         p.grad = torch.ones(4)
         FusedAdam([p], lr=0.1).step()
         assert p.detach().lt(1).all()
+        import os
+        libs = sorted(f for f in os.listdir(os.path.dirname(apex.__file__)) if f.endswith(".so"))
+        assert {"_apex_cpp.so", "_apex_cpp_stable.so"} <= set(libs), libs
         print(apex.__file__, apex.cpu_isa(), FusedRMSNorm(4)(torch.randn(2, 4)).shape)
     """)
     out = subprocess.check_output([str(py), "-c", check], text=True, cwd=str(tmp_path))
