@@ -29,11 +29,11 @@ def _torch_at_least(major, minor):
 
 
 class _StableOps:
-    """The ops of _apex_cpp_stable.so (LibTorch's stable ABI: the multi-tensor ops and cpu_isa,
-    on CPU tensors) under apex_cpp's names, and what the rest of the package asks of the others:
+    """The ops of _apex_cpp_stable.so (LibTorch's stable ABI: the multi-tensor ops, the norms'
+    forward and backward, SyncBatchNorm's pieces and cpu_isa, on CPU tensors) under apex_cpp's names, and what the rest of the package asks of the others:
     the CPU half-precision route is unavailable, the norms' autograd is Python's
-    (apex._stable_norms), update_scale_hysteresis is the regular op's tensor code in Python, the
-    SyncBatchNorm kernels and the rest say to reinstall."""
+    (apex._stable_norms), update_scale_hysteresis is the regular op's tensor code in Python, and
+    the rest (CUDA kernels, the bench helper) say to reinstall."""
 
     _ns = None
 
@@ -104,9 +104,9 @@ if STABLE:
         import warnings
         warnings.warn(
             f"apex (apex-cpp) was built for torch {_BUILT_FOR} and runs under torch "
-            f"{torch.__version__} on its stable-ABI op library: optimizers, amp_C and amp on "
-            "apex-cpp's CPU kernels; no CPU half-precision route, no CUDA "
-            f"kernels, no SyncBatchNorm kernels. For all of it, {_REINSTALL}", stacklevel=2)
+            f"{torch.__version__} on its stable-ABI op library: optimizers, amp_C, amp, norms "
+            "and SyncBatchNorm on apex-cpp's CPU kernels; no CPU half-precision route, no CUDA "
+            f"kernels. For all of it, {_REINSTALL}", stacklevel=2)
 else:
     torch.ops.load_library(_LIB)
     ops = torch.ops.apex_cpp
@@ -185,6 +185,33 @@ def _register_norm_fakes(ns):
 _register_norm_fakes(_NS)
 
 
+def _bn_stats_fake(input):
+    return input.new_empty((2 * input.shape[1] + 1,), dtype=torch.float64)
+
+
+def _bn_elemt_fake(input, mean, scale, shift):
+    return torch.empty_like(input)
+
+
+def _bn_reduce_fake(grad_out, input, mean):
+    return input.new_empty((2 * input.shape[1],), dtype=torch.float64)
+
+
+def _bn_bwd_elemt_fake(grad_out, input, mean, a, b, k):
+    return torch.empty_like(input)
+
+
+def _register_batch_norm_fakes(ns):
+    """The fakes of SyncBatchNorm's CPU pieces, which both libraries have, in namespace ns."""
+    torch.library.register_fake(f"{ns}::batch_norm_stats")(_bn_stats_fake)
+    torch.library.register_fake(f"{ns}::batch_norm_elemt")(_bn_elemt_fake)
+    torch.library.register_fake(f"{ns}::batch_norm_backward_reduce")(_bn_reduce_fake)
+    torch.library.register_fake(f"{ns}::batch_norm_backward_elemt")(_bn_bwd_elemt_fake)
+
+
+_register_batch_norm_fakes(_NS)
+
+
 if not STABLE:  # the ops below are in the regular library only
     torch.library.register_fake("apex_cpp::update_scale_hysteresis")(lambda *a, **k: None)
 
@@ -192,22 +219,6 @@ if not STABLE:  # the ops below are in the regular library only
     def _norm_fake(input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient):
         out_dtype = weight.dtype if mixed else input.dtype
         return torch.empty(input.shape, dtype=out_dtype, device=input.device)
-
-    @torch.library.register_fake("apex_cpp::batch_norm_stats")
-    def _bn_stats_fake(input):
-        return input.new_empty((2 * input.shape[1] + 1,), dtype=torch.float64)
-
-    @torch.library.register_fake("apex_cpp::batch_norm_elemt")
-    def _bn_elemt_fake(input, mean, scale, shift):
-        return torch.empty_like(input)
-
-    @torch.library.register_fake("apex_cpp::batch_norm_backward_reduce")
-    def _bn_reduce_fake(grad_out, input, mean):
-        return input.new_empty((2 * input.shape[1],), dtype=torch.float64)
-
-    @torch.library.register_fake("apex_cpp::batch_norm_backward_elemt")
-    def _bn_bwd_elemt_fake(grad_out, input, mean, a, b, k):
-        return torch.empty_like(input)
 
 
 # The norms' autograd is registered in C++ (python/csrc/ops.cpp, NormFunction): a Python

@@ -653,12 +653,10 @@ TORCH_LIBRARY(apex_cpp, m) {
       "fused_norm(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
       "bool rms, bool mixed, bool memory_efficient) -> Tensor");
   m.def(APEX_PY_NORM_BWD_SCHEMA);
-  m.def("batch_norm_stats(Tensor input) -> Tensor");
-  m.def("batch_norm_elemt(Tensor input, Tensor mean, Tensor scale, Tensor shift) -> Tensor");
-  m.def("batch_norm_backward_reduce(Tensor grad_out, Tensor input, Tensor mean) -> Tensor");
-  m.def(
-      "batch_norm_backward_elemt(Tensor grad_out, Tensor input, Tensor mean, Tensor a, Tensor b, "
-      "Tensor k) -> Tensor");
+  m.def(APEX_PY_BATCH_NORM_STATS_SCHEMA);
+  m.def(APEX_PY_BATCH_NORM_ELEMT_SCHEMA);
+  m.def(APEX_PY_BATCH_NORM_BACKWARD_REDUCE_SCHEMA);
+  m.def(APEX_PY_BATCH_NORM_BACKWARD_ELEMT_SCHEMA);
   m.def("cpu_isa() -> str", &cpu_isa);
   m.def("cpu_half_fallback_enter() -> bool", &cpu_half_fallback_enter);
   m.def("cpu_half_fallback_exit() -> ()", &cpu_half_fallback_exit);

@@ -51,3 +51,13 @@
   "fused_norm_bwd(Tensor grad_out, Tensor saved, Tensor mean, Tensor rstd, Tensor? weight, "       \
   "Tensor? bias, int[] normalized_shape, float eps, bool rms, bool mixed, bool memory_efficient, " \
   "ScalarType input_dtype, bool[3] output_mask) -> (Tensor, Tensor, Tensor)"
+
+// SyncBatchNorm's per-rank CPU pieces.
+#define APEX_PY_BATCH_NORM_STATS_SCHEMA "batch_norm_stats(Tensor input) -> Tensor"
+#define APEX_PY_BATCH_NORM_ELEMT_SCHEMA \
+  "batch_norm_elemt(Tensor input, Tensor mean, Tensor scale, Tensor shift) -> Tensor"
+#define APEX_PY_BATCH_NORM_BACKWARD_REDUCE_SCHEMA \
+  "batch_norm_backward_reduce(Tensor grad_out, Tensor input, Tensor mean) -> Tensor"
+#define APEX_PY_BATCH_NORM_BACKWARD_ELEMT_SCHEMA                                               \
+  "batch_norm_backward_elemt(Tensor grad_out, Tensor input, Tensor mean, Tensor a, Tensor b, " \
+  "Tensor k) -> Tensor"

@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/batch_norm.h"
 #include "kernels/multi_tensor.h"
 #include "kernels/norm.h"
 #include "schemas.h"
@@ -33,6 +34,7 @@
 namespace apex::python::stable {
 namespace {
 
+using torch::headeronly::MemoryFormat;
 using torch::headeronly::ScalarType;
 
 // Throws std::runtime_error (a RuntimeError in Python) with the message alone, as TORCH_CHECK's
@@ -660,6 +662,159 @@ std::tuple<Tensor, Tensor, Tensor> fused_norm_bwd(
   return {dx, want_w ? as_param(dw) : dw, want_b ? as_param(db) : db};
 }
 
+// ---- batch norm (SyncBatchNorm's per-rank pieces, CPU) ------------------------------------------
+// src/parallel/batch_norm_ops.cpp's CPU route on the stable accessors (its ATen route serves CUDA
+// input, which this library does not take): the input viewed as [outer, channels, inner], NC*
+// or channels-last, as the regular library's.
+
+struct BatchNormLayout {
+  kernels::BatchNormShape shape;
+  MemoryFormat format = MemoryFormat::Contiguous;
+};
+
+// Whether x's strides are those of a dense tensor whose dimensions, innermost first, are `order`.
+bool strides_in_order(const Tensor& x, const std::vector<int64_t>& order) {
+  int64_t expected = 1;
+  for (int64_t d : order) {
+    if (x.size(d) != 1 && x.stride(d) != expected) return false;
+    expected *= x.size(d);
+  }
+  return true;
+}
+
+BatchNormLayout batch_norm_layout(const Tensor& x, const char* who) {
+  APEX_CHECK(x.dim() >= 2, who, ": expected an input of at least 2 dimensions (N, C, ...), got ",
+             dims(x.sizes()));
+  check_cpu(x, who);
+  BatchNormLayout l;
+  const int64_t n = x.size(0);
+  const int64_t c = x.size(1);
+  const int64_t numel = x.numel();
+  // Channels-last as ATen's is_contiguous(ChannelsLast[3d]) reads it: C innermost, then the
+  // spatial dimensions from the last, then N; a tensor contiguous both ways counts as NC*.
+  bool cl = false;
+  if ((x.dim() == 4 || x.dim() == 5) && !x.is_contiguous()) {
+    std::vector<int64_t> order{1};
+    for (int64_t d = x.dim() - 1; d >= 2; --d) order.push_back(d);
+    order.push_back(0);
+    cl = strides_in_order(x, order);
+  }
+  l.format = !cl            ? MemoryFormat::Contiguous
+             : x.dim() == 4 ? MemoryFormat::ChannelsLast
+                            : MemoryFormat::ChannelsLast3d;
+  l.shape.channels = c;
+  if (cl) {
+    l.shape.outer = c > 0 ? numel / c : 0;
+    l.shape.inner = 1;
+  } else {
+    l.shape.outer = n;
+    l.shape.inner = n * c > 0 ? numel / (n * c) : 1;
+  }
+  return l;
+}
+
+Tensor in_layout(const Tensor& t, MemoryFormat format) {
+  return format == MemoryFormat::Contiguous ? as_contiguous(t)
+                                            : torch::stable::contiguous(t, format);
+}
+
+// A per-channel tensor's c values as a contiguous tensor of `dtype`.
+Tensor channel_values(const Tensor& t, int64_t c, const char* who, const char* name,
+                      ScalarType dtype = ScalarType::Float) {
+  APEX_CHECK(t.numel() == c, who, ": ", name, " has ", t.numel(), " elements, expected ", c);
+  check_cpu(t, who);
+  return as_contiguous(t.scalar_type() == dtype ? t : torch::stable::to(t, dtype));
+}
+
+Tensor batch_norm_stats(Tensor input) {
+  constexpr const char* who = "batch_norm_stats";
+  const BatchNormLayout l = batch_norm_layout(input, who);
+  const Tensor x = in_layout(input, l.format);
+  const int64_t c = l.shape.channels;
+  Tensor out = torch::stable::new_zeros(x, {2 * c + 1}, ScalarType::Double);
+  kernels::BatchNormStatsArgs a;
+  a.shape = l.shape;
+  a.dtype = kernel_dtype(x.scalar_type(), who);
+  a.x = x.const_data_ptr();
+  double* o = out.mutable_data_ptr<double>();
+  a.mean = o;
+  a.m2 = o + c;
+  kernels::cpu::batch_norm_stats(a);
+  o[2 * c] = static_cast<double>(l.shape.outer * l.shape.inner);
+  return out;
+}
+
+Tensor elemt(const char* who, const Tensor& u, const Tensor* v, const Tensor& mean, const Tensor& a,
+             const Tensor* b, const Tensor& k) {
+  const BatchNormLayout l = batch_norm_layout(u, who);
+  const int64_t c = l.shape.channels;
+  APEX_CHECK(v == nullptr || v->sizes().vec() == u.sizes().vec(), who, ": the gradient has shape ",
+             dims(v == nullptr ? u.sizes() : v->sizes()), ", expected ", dims(u.sizes()));
+  const Tensor x = in_layout(u, l.format);
+  Tensor dy;
+  if (v != nullptr) {
+    check_cpu(*v, who);
+    dy = in_layout(*v, l.format);
+  }
+  const Tensor mf = channel_values(mean, c, who, "mean");
+  const Tensor af = channel_values(a, c, who, "a");
+  const Tensor kf = channel_values(k, c, who, "k");
+  const Tensor bf = b != nullptr ? channel_values(*b, c, who, "b") : Tensor();
+  Tensor out = torch::stable::empty(x.sizes(), x.scalar_type(), std::nullopt,
+                                    torch::stable::Device(torch::headeronly::DeviceType::CPU),
+                                    std::nullopt, l.format);
+  kernels::BatchNormElemtArgs e;
+  e.shape = l.shape;
+  e.u_dtype = e.out_dtype = kernel_dtype(x.scalar_type(), who);
+  e.u = x.const_data_ptr();
+  if (v != nullptr) {
+    e.v_dtype = kernel_dtype(dy.scalar_type(), who);
+    e.v = dy.const_data_ptr();
+    e.b = bf.const_data_ptr<float>();
+  }
+  e.out = out.mutable_data_ptr();
+  e.a = af.const_data_ptr<float>();
+  e.m = mf.const_data_ptr<float>();
+  e.k = kf.const_data_ptr<float>();
+  if (x.numel() > 0) kernels::cpu::batch_norm_elemt(e);
+  return out;
+}
+
+Tensor batch_norm_elemt(Tensor input, Tensor mean, Tensor scale, Tensor shift) {
+  return elemt("batch_norm_elemt", input, nullptr, mean, scale, nullptr, shift);
+}
+
+Tensor batch_norm_backward_elemt(Tensor grad_out, Tensor input, Tensor mean, Tensor a, Tensor b,
+                                 Tensor k) {
+  return elemt("batch_norm_backward_elemt", input, &grad_out, mean, a, &b, k);
+}
+
+Tensor batch_norm_backward_reduce(Tensor grad_out, Tensor input, Tensor mean64) {
+  constexpr const char* who = "batch_norm_backward_reduce";
+  const BatchNormLayout l = batch_norm_layout(input, who);
+  const int64_t c = l.shape.channels;
+  APEX_CHECK(grad_out.sizes().vec() == input.sizes().vec(), who, ": the gradient has shape ",
+             dims(grad_out.sizes()), ", expected ", dims(input.sizes()));
+  APEX_CHECK(mean64.numel() == c, who, ": mean has ", mean64.numel(), " elements, expected ", c);
+  check_cpu(grad_out, who);
+  const Tensor x = in_layout(input, l.format);
+  const Tensor dy = in_layout(grad_out, l.format);
+  const Tensor m = channel_values(mean64, c, who, "mean", ScalarType::Double);
+  Tensor sums = torch::stable::new_zeros(x, {2 * c}, ScalarType::Double);
+  kernels::BatchNormBackwardReduceArgs r;
+  r.shape = l.shape;
+  r.x_dtype = kernel_dtype(x.scalar_type(), who);
+  r.dy_dtype = kernel_dtype(dy.scalar_type(), who);
+  r.x = x.const_data_ptr();
+  r.dy = dy.const_data_ptr();
+  r.mean = m.const_data_ptr<double>();
+  double* o = sums.mutable_data_ptr<double>();
+  r.sum_dy = o;
+  r.sum_dy_xmu = o + c;
+  kernels::cpu::batch_norm_backward_reduce(r);
+  return sums;
+}
+
 std::string cpu_isa() { return kernels::cpu::isa_name(); }
 
 }  // namespace
@@ -673,6 +828,10 @@ STABLE_TORCH_LIBRARY(apex_cpp_stable, m) {
 #undef APEX_PY_DEF
   m.def(APEX_PY_NORM_FWD_SCHEMA);
   m.def(APEX_PY_NORM_BWD_SCHEMA);
+  m.def(APEX_PY_BATCH_NORM_STATS_SCHEMA);
+  m.def(APEX_PY_BATCH_NORM_ELEMT_SCHEMA);
+  m.def(APEX_PY_BATCH_NORM_BACKWARD_REDUCE_SCHEMA);
+  m.def(APEX_PY_BATCH_NORM_BACKWARD_ELEMT_SCHEMA);
   m.def("cpu_isa() -> str");
 }
 
@@ -682,6 +841,11 @@ STABLE_TORCH_LIBRARY_IMPL(apex_cpp_stable, CPU, m) {
 #undef APEX_PY_IMPL
   m.impl("fused_norm_fwd", TORCH_BOX(&apex::python::stable::fused_norm_fwd));
   m.impl("fused_norm_bwd", TORCH_BOX(&apex::python::stable::fused_norm_bwd));
+  m.impl("batch_norm_stats", TORCH_BOX(&apex::python::stable::batch_norm_stats));
+  m.impl("batch_norm_elemt", TORCH_BOX(&apex::python::stable::batch_norm_elemt));
+  m.impl("batch_norm_backward_reduce",
+         TORCH_BOX(&apex::python::stable::batch_norm_backward_reduce));
+  m.impl("batch_norm_backward_elemt", TORCH_BOX(&apex::python::stable::batch_norm_backward_elemt));
 }
 
 // No tensor arguments: a kernel for every dispatch key.

@@ -18,11 +18,13 @@ PKG = os.path.dirname(os.path.abspath(apex.__file__))
 NAMES = ["multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm",
          "multi_tensor_unscale_l2norm", "multi_tensor_adam", "multi_tensor_sgd",
          "multi_tensor_adagrad", "multi_tensor_lamb", "multi_tensor_novograd", "fused_norm_fwd",
-         "fused_norm_bwd"]
+         "fused_norm_bwd", "batch_norm_stats", "batch_norm_elemt", "batch_norm_backward_reduce",
+         "batch_norm_backward_elemt"]
 
 torch.ops.load_library(os.path.join(PKG, "_apex_cpp_stable.so"))
 _ops._register_multi_tensor_fakes("apex_cpp_stable")
 _ops._register_norm_fakes("apex_cpp_stable")
+_ops._register_batch_norm_fakes("apex_cpp_stable")
 R = torch.ops.apex_cpp
 S = torch.ops.apex_cpp_stable
 
@@ -60,7 +62,8 @@ def both(fn, state):
 
 def assert_bit_equal(a, b):
     if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        a, b = a.contiguous(), b.contiguous()
         assert torch.equal(a.view(torch.uint8) if a.numel() else a,
                            b.view(torch.uint8) if b.numel() else b)
     elif isinstance(a, (list, tuple)):
@@ -156,6 +159,52 @@ def test_norms_bit_equal_to_the_regular_library(dtype, param_dtype, rms, memory_
                                      memory_efficient, dtype, [False, True, False])
         outs.append((y, mean, rstd, grads, partial))
     assert_bit_equal(outs[0], outs[1])
+
+
+def bn_input(shape, dtype, layout):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))).to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last if x.dim() == 4
+                         else torch.channels_last_3d)
+    elif layout == "transposed":
+        x = x.transpose(0, -1)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,layout", [((6, 3), "nc"), ((4, 5, 7), "nc"), ((3, 4, 6, 5), "nc"),
+                                          ((3, 4, 6, 5), "channels_last"),
+                                          ((2, 3, 4, 5, 6), "channels_last"),
+                                          ((5, 4, 6, 5), "transposed"), ((0, 4, 3, 3), "nc"),
+                                          ((1, 8, 1, 1), "channels_last")])
+def test_batch_norm_bit_equal_to_the_regular_library(dtype, shape, layout):
+    x = bn_input(shape, dtype, layout)
+    c = x.shape[1]
+    g = torch.Generator().manual_seed(3)
+    dy = torch.randn(x.shape, generator=g).to(dtype)
+    mean64 = torch.randn(c, generator=g, dtype=torch.float64)
+    a, b, k = (torch.randn(c, generator=g) for _ in range(3))
+    outs = []
+    for ops in (R, S):
+        y = ops.batch_norm_elemt(x, mean64.float(), a, k)
+        dx = ops.batch_norm_backward_elemt(dy, x, mean64.float(), a, b, k)
+        outs.append((ops.batch_norm_stats(x), y, y.stride(), ops.batch_norm_backward_reduce(
+            dy, x, mean64), dx, dx.stride()))
+    assert_bit_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("bad", [
+    lambda ops: ops.batch_norm_stats(torch.randn(5)),
+    lambda ops: ops.batch_norm_stats(torch.randn(4, 3, dtype=torch.float64)),
+    lambda ops: ops.batch_norm_elemt(torch.randn(4, 3), torch.zeros(2), torch.ones(3),
+                                     torch.zeros(3)),
+    lambda ops: ops.batch_norm_backward_reduce(torch.randn(4, 2), torch.randn(4, 3),
+                                               torch.zeros(3, dtype=torch.float64)),
+    lambda ops: ops.batch_norm_backward_elemt(torch.randn(4, 2), torch.randn(4, 3), torch.zeros(3),
+                                              torch.ones(3), torch.ones(3), torch.ones(3)),
+])
+def test_batch_norm_same_messages(bad):
+    assert message(lambda: bad(S)) == message(lambda: bad(R))
 
 
 @pytest.mark.parametrize("bad", [
@@ -270,11 +319,13 @@ def run(cmd, env=None, cwd=None):
 
 
 def test_the_suite_on_the_stable_library():
-    """APEX_OPS=stable: the package on the stable library passes the optimizer, amp_C, amp, norm
-    and device suites (the tests of the regular library's own routes are marked and skipped)."""
+    """APEX_OPS=stable: the package on the stable library passes the optimizer, amp_C, amp, norm,
+    device and parallel suites (the tests of the regular library's own routes are marked and
+    skipped; the parallel suite's ranks inherit APEX_OPS)."""
     env = dict(os.environ, APEX_OPS="stable")
     files = [os.path.join(HERE, f) for f in ("test_optimizers.py", "test_amp_C.py", "test_amp.py",
-                                             "test_normalization.py", "test_devices.py")]
+                                             "test_normalization.py", "test_devices.py",
+                                             "test_parallel.py")]
     r = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], env=env,
             cwd=HERE)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

@@ -3,8 +3,6 @@
 // fixed order. Two walks over [outer, channels, inner]: channel by channel when each channel's
 // runs are long (NC* input), and blocks of rows with one fp32 accumulator per channel when they
 // are short (channels-last and [N, C] input).
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -12,6 +10,7 @@
 
 #include "kernels/batch_norm.h"
 #include "kernels/cpu/isa.h"
+#include "kernels/cpu/parallel.h"
 
 namespace apex::kernels::cpu {
 namespace {
@@ -78,7 +77,7 @@ void batch_norm_stats(const BatchNormStatsArgs& a) {
   for (int64_t c = 0; c < C; ++c) a.mean[c] = a.m2[c] = 0.0;
   if (s.outer <= 0 || s.inner <= 0 || C <= 0) return;
   if (s.inner >= kLongRun) {
-    at::parallel_for(0, C, channel_grain(s.outer * s.inner), [&](int64_t c0, int64_t c1) {
+    parallel_for(0, C, channel_grain(s.outer * s.inner), [&](int64_t c0, int64_t c1) {
       std::vector<float> buf(kBlock);
       for (int64_t c = c0; c < c1; ++c) {
         double n = 0, mean = 0, m2 = 0;
@@ -107,7 +106,7 @@ void batch_norm_stats(const BatchNormStatsArgs& a) {
   const int64_t blocks = (s.outer + rows - 1) / rows;
   const int64_t groups = std::min(blocks, kMaxGroups);
   std::vector<double> gn(groups * C, 0.0), gmean(groups * C, 0.0), gm2(groups * C, 0.0);
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     std::vector<float> buf(rows * C * s.inner);
     std::vector<double> sum(C), sq(C);
     for (int64_t g = g0; g < g1; ++g) {
@@ -158,7 +157,7 @@ void batch_norm_elemt(const BatchNormElemtArgs& a) {
   // out[j] = a * (u[j] - m) + b * v[j] + k over n values of one channel (or per-channel vectors).
   if (s.inner >= kLongRun) {
     const int64_t runs = s.outer * C;
-    at::parallel_for(0, runs, channel_grain(s.inner), [&](int64_t r0, int64_t r1) {
+    parallel_for(0, runs, channel_grain(s.inner), [&](int64_t r0, int64_t r1) {
       std::vector<float> ub(kBlock), vb(kBlock), ob(kBlock);
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t c = r % C;
@@ -187,7 +186,7 @@ void batch_norm_elemt(const BatchNormElemtArgs& a) {
   const int64_t rows = rows_per_block(s);
   const int64_t blocks = (s.outer + rows - 1) / rows;
   const int64_t row_len = C * s.inner;
-  at::parallel_for(0, blocks, std::max<int64_t>(1, 8), [&](int64_t b0, int64_t b1) {
+  parallel_for(0, blocks, std::max<int64_t>(1, 8), [&](int64_t b0, int64_t b1) {
     const int64_t cap = rows * row_len;
     std::vector<float> ub(cap), vb(cap), ob(cap);
     for (int64_t b = b0; b < b1; ++b) {
@@ -227,7 +226,7 @@ void batch_norm_backward_reduce(const BatchNormBackwardReduceArgs& a) {
   for (int64_t c = 0; c < C; ++c) a.sum_dy[c] = a.sum_dy_xmu[c] = 0.0;
   if (s.outer <= 0 || s.inner <= 0 || C <= 0) return;
   if (s.inner >= kLongRun) {
-    at::parallel_for(0, C, channel_grain(s.outer * s.inner), [&](int64_t c0, int64_t c1) {
+    parallel_for(0, C, channel_grain(s.outer * s.inner), [&](int64_t c0, int64_t c1) {
       std::vector<float> xb(kBlock), gb(kBlock);
       for (int64_t c = c0; c < c1; ++c) {
         double sd = 0, sdx = 0;
@@ -255,7 +254,7 @@ void batch_norm_backward_reduce(const BatchNormBackwardReduceArgs& a) {
   const int64_t groups = std::min(blocks, kMaxGroups);
   const int64_t row_len = C * s.inner;
   std::vector<double> gs(groups * C, 0.0), gsx(groups * C, 0.0);
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     std::vector<float> xb(rows * row_len), gb(rows * row_len);
     std::vector<double> bs(C), bsx(C);
     for (int64_t g = g0; g < g1; ++g) {
