@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "bridge/bridge.h"
+#include "kernel_args.h"
 #include "kernels/multi_tensor.h"
 #include "normalization/ops.h"
 #include "parallel/batch_norm_ops.h"
@@ -179,15 +180,8 @@ void multi_tensor_adam(const Tensor& noop, const TensorList& g, const TensorList
   const bridge::ListBuilder lists = moment_lists(who, p, g, m, v, master);
   TORCH_CHECK(step >= 1 || step_tensor.has_value(), who, ": step must be >= 1, got ", step);
   const c10::Device device = p.front().device();
-  kernels::AdamArgs args;
-  args.lr = static_cast<float>(lr);
-  args.beta1 = static_cast<float>(beta1);
-  args.beta2 = static_cast<float>(beta2);
-  args.eps = static_cast<float>(eps);
-  args.weight_decay = static_cast<float>(weight_decay);
-  args.adam_w_mode = adam_w_mode;
-  args.bias_correction = bias_correction;
-  args.step = step;
+  kernels::AdamArgs args =
+      adam_args(lr, beta1, beta2, eps, step, adam_w_mode, bias_correction, weight_decay);
   args.lr_ptr = optional_scalar(lr_tensor, device, who, "lr");
   args.step_ptr = optional_scalar(step_tensor, device, who, "step");
   args.amp.inv_scale = optional_scalar(inv_scale, device, who, "inv_scale");
@@ -215,14 +209,8 @@ void multi_tensor_sgd(const Tensor& noop, const TensorList& g, const TensorList&
   // The step is skipped when the noop flag is already set (apex's early exit).
   const Tensor flag = flag_as_float(noop).to(device);
   const Tensor inv = at::full({1}, scale, p.front().options().dtype(at::kFloat));
-  kernels::SgdArgs args;
-  args.lr = static_cast<float>(lr);
-  args.momentum = static_cast<float>(momentum);
-  args.dampening = static_cast<float>(dampening);
-  args.weight_decay = static_cast<float>(weight_decay);
-  args.nesterov = nesterov;
-  args.first_run = first_run;
-  args.wd_after_momentum = wd_after_momentum;
+  kernels::SgdArgs args =
+      sgd_args(lr, momentum, dampening, weight_decay, nesterov, first_run, wd_after_momentum);
   args.amp.inv_scale = inv.data_ptr<float>();
   args.amp.found_inf = flag.data_ptr<float>();
   const auto view = lists.view();
@@ -240,11 +228,7 @@ void multi_tensor_adagrad(const Tensor& noop, const TensorList& g, const TensorL
   const bridge::ListBuilder lists = build_lists(
       who, {{&p, "params"}, {&g, "grads"}, {&h, "state_sums"}, {&master, "master_params"}}, 3);
   const c10::Device device = p.front().device();
-  kernels::AdagradArgs args;
-  args.lr = static_cast<float>(lr);
-  args.eps = static_cast<float>(eps);
-  args.weight_decay = static_cast<float>(weight_decay);
-  args.adagrad_w_mode = adagrad_w_mode;
+  kernels::AdagradArgs args = adagrad_args(lr, eps, adagrad_w_mode, weight_decay);
   args.amp.inv_scale = optional_scalar(inv_scale, device, who, "inv_scale");
   args.amp.found_inf = optional_scalar(found_inf, device, who, "found_inf");
   const auto view = lists.view();
@@ -268,20 +252,8 @@ void multi_tensor_lamb(const Tensor& noop, const TensorList& g, const TensorList
   const Tensor u_sumsq = at::zeros({lists.size()}, opts);
   const Tensor p_sumsq = at::zeros({lists.size()}, opts);
   const Tensor gnorm = global_grad_norm.to(opts).reshape({1}).contiguous();
-  kernels::LambArgs args;
-  args.lr = static_cast<float>(lr);
-  args.beta1 = static_cast<float>(beta1);
-  args.beta2 = static_cast<float>(beta2);
-  args.beta3 = kernels::grad_weight(beta1, grad_averaging);
-  args.eps = static_cast<float>(eps);
-  args.weight_decay = static_cast<float>(weight_decay);
-  args.bias_correction1 =
-      static_cast<float>(kernels::bias_correction(beta1, step, bias_correction));
-  args.bias_correction2 =
-      static_cast<float>(kernels::bias_correction(beta2, step, bias_correction));
-  args.adam_w_mode = adam_w_mode;
-  args.use_nvlamb = use_nvlamb;
-  args.max_grad_norm = static_cast<float>(max_grad_norm);
+  kernels::LambArgs args = lamb_args(lr, beta1, beta2, eps, step, bias_correction, weight_decay,
+                                     grad_averaging, adam_w_mode, max_grad_norm, use_nvlamb);
   args.global_grad_norm = gnorm.data_ptr<float>();
   args.u_sumsq = u_sumsq.data_ptr<float>();
   args.p_sumsq = p_sumsq.data_ptr<float>();
@@ -308,17 +280,8 @@ void multi_tensor_novograd(const Tensor& noop, const TensorList& g, const Tensor
               " elements, expected one per tensor (", p.size(), ")");
   const c10::Device device = p.front().device();
   const Tensor vf = v.to(p.front().options().dtype(at::kFloat)).contiguous();
-  kernels::NovoGradArgs args;
-  args.lr = static_cast<float>(lr);
-  args.beta1 = static_cast<float>(beta1);
-  args.beta3 = kernels::grad_weight(beta1, grad_averaging);
-  args.eps = static_cast<float>(eps);
-  args.weight_decay = static_cast<float>(weight_decay);
-  args.bias_correction1 =
-      static_cast<float>(kernels::bias_correction(beta1, step, bias_correction));
-  args.bias_correction2 =
-      static_cast<float>(std::sqrt(kernels::bias_correction(beta2, step, bias_correction)));
-  args.reg_inside_moment = reg_inside_moment;
+  kernels::NovoGradArgs args = novograd_args(lr, beta1, beta2, eps, step, bias_correction,
+                                             weight_decay, grad_averaging, reg_inside_moment);
   args.v = vf.data_ptr<float>();
   args.amp.inv_scale = optional_scalar(inv_scale, device, who, "inv_scale");
   args.amp.found_inf = optional_scalar(found_inf, device, who, "found_inf");

@@ -23,9 +23,11 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "kernel_args.h"
 #include "kernels/batch_norm.h"
 #include "kernels/multi_tensor.h"
 #include "kernels/norm.h"
@@ -192,72 +194,72 @@ class Lists {
   kernels::TensorLists view_;
 };
 
-// One element of a CPU tensor of any real dtype, as a double.
-double read_scalar(const Tensor& t) {
-  const void* p = t.const_data_ptr();
+// f(T*) with T the C++ type of a CPU tensor's dtype (the real ones and bool).
+template <class F>
+decltype(auto) with_element_type(const Tensor& t, void* p, F&& f) {
   switch (t.scalar_type()) {
     case ScalarType::Float:
-      return *static_cast<const float*>(p);
+      return f(static_cast<float*>(p));
     case ScalarType::Double:
-      return *static_cast<const double*>(p);
+      return f(static_cast<double*>(p));
     case ScalarType::Half:
-      return static_cast<float>(*static_cast<const torch::headeronly::Half*>(p));
+      return f(static_cast<torch::headeronly::Half*>(p));
     case ScalarType::BFloat16:
-      return static_cast<float>(*static_cast<const torch::headeronly::BFloat16*>(p));
+      return f(static_cast<torch::headeronly::BFloat16*>(p));
     case ScalarType::Long:
-      return static_cast<double>(*static_cast<const int64_t*>(p));
+      return f(static_cast<int64_t*>(p));
     case ScalarType::Int:
-      return *static_cast<const int32_t*>(p);
+      return f(static_cast<int32_t*>(p));
     case ScalarType::Short:
-      return *static_cast<const int16_t*>(p);
+      return f(static_cast<int16_t*>(p));
     case ScalarType::Char:
-      return *static_cast<const int8_t*>(p);
+      return f(static_cast<int8_t*>(p));
     case ScalarType::Byte:
-      return *static_cast<const uint8_t*>(p);
+      return f(static_cast<uint8_t*>(p));
     case ScalarType::Bool:
-      return *static_cast<const bool*>(p) ? 1.0 : 0.0;
+      return f(static_cast<bool*>(p));
     default:
       fail("apex-cpp: unsupported dtype for a scalar tensor: ", dtype_name(t.scalar_type()));
   }
-  return 0.0;
 }
 
+// Adam-style lists: params, grads, both moments, optional fp32 masters (returned in place: Lists
+// is neither copied nor moved).
+Lists moment_lists(const char* who, const TensorList& p, const TensorList& g, const TensorList& m,
+                   const TensorList& v, const TensorList& master) {
+  return Lists(who,
+               {{&p, "params"},
+                {&g, "grads"},
+                {&m, "exp_avgs"},
+                {&v, "exp_avg_sqs"},
+                {&master, "master_params"}},
+               4);
+}
+
+// One element of a CPU tensor of any real dtype, as a double.
+double read_scalar(const Tensor& t) {
+  return with_element_type(t, t.mutable_data_ptr(), [](auto* p) {
+    using T = std::remove_pointer_t<decltype(p)>;
+    if constexpr (std::is_arithmetic_v<T>) {
+      return static_cast<double>(*p);
+    } else {
+      return static_cast<double>(static_cast<float>(*p));  // Half, BFloat16: through float
+    }
+  });
+}
+
+// Sets a one-element CPU tensor of any real dtype to v.
 void write_scalar(const Tensor& t, double v) {
-  void* p = t.mutable_data_ptr();
-  switch (t.scalar_type()) {
-    case ScalarType::Float:
-      *static_cast<float*>(p) = static_cast<float>(v);
-      return;
-    case ScalarType::Double:
-      *static_cast<double*>(p) = v;
-      return;
-    case ScalarType::Half:
-      *static_cast<torch::headeronly::Half*>(p) = static_cast<float>(v);
-      return;
-    case ScalarType::BFloat16:
-      *static_cast<torch::headeronly::BFloat16*>(p) = static_cast<float>(v);
-      return;
-    case ScalarType::Long:
-      *static_cast<int64_t*>(p) = static_cast<int64_t>(v);
-      return;
-    case ScalarType::Int:
-      *static_cast<int32_t*>(p) = static_cast<int32_t>(v);
-      return;
-    case ScalarType::Short:
-      *static_cast<int16_t*>(p) = static_cast<int16_t>(v);
-      return;
-    case ScalarType::Char:
-      *static_cast<int8_t*>(p) = static_cast<int8_t>(v);
-      return;
-    case ScalarType::Byte:
-      *static_cast<uint8_t*>(p) = static_cast<uint8_t>(v);
-      return;
-    case ScalarType::Bool:
-      *static_cast<bool*>(p) = v != 0.0;
-      return;
-    default:
-      fail("apex-cpp: unsupported dtype for a scalar tensor: ", dtype_name(t.scalar_type()));
-  }
+  with_element_type(t, t.mutable_data_ptr(), [v](auto* p) {
+    using T = std::remove_pointer_t<decltype(p)>;
+    if constexpr (std::is_same_v<T, bool>) {
+      *p = v != 0.0;
+    } else if constexpr (std::is_arithmetic_v<T>) {
+      *p = static_cast<T>(v);
+    } else {
+      *p = static_cast<T>(static_cast<float>(v));  // Half, BFloat16: from float
+    }
+  });
 }
 
 void check_flag(const Tensor& flag, const char* who) {
@@ -356,23 +358,10 @@ void multi_tensor_adam(Tensor noop, TensorList g, TensorList p, TensorList m, Te
   constexpr const char* who = "multi_tensor_adam";
   check_flag(noop, who);
   if (p.empty()) return;
-  const Lists lists(who,
-                    {{&p, "params"},
-                     {&g, "grads"},
-                     {&m, "exp_avgs"},
-                     {&v, "exp_avg_sqs"},
-                     {&master, "master_params"}},
-                    4);
+  const Lists lists = moment_lists(who, p, g, m, v, master);
   APEX_CHECK(step >= 1 || step_tensor.has_value(), who, ": step must be >= 1, got ", step);
-  kernels::AdamArgs args;
-  args.lr = static_cast<float>(lr);
-  args.beta1 = static_cast<float>(beta1);
-  args.beta2 = static_cast<float>(beta2);
-  args.eps = static_cast<float>(eps);
-  args.weight_decay = static_cast<float>(weight_decay);
-  args.adam_w_mode = adam_w_mode;
-  args.bias_correction = bias_correction;
-  args.step = step;
+  kernels::AdamArgs args =
+      adam_args(lr, beta1, beta2, eps, step, adam_w_mode, bias_correction, weight_decay);
   args.lr_ptr = scalar_ptr(lr_tensor, who, "lr");
   args.step_ptr = scalar_ptr(step_tensor, who, "step");
   args.amp.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
@@ -398,14 +387,8 @@ void multi_tensor_sgd(Tensor noop, TensorList g, TensorList p, TensorList moment
   // The step is skipped when the noop flag is already set (apex's early exit).
   const float flag = static_cast<float>(read_scalar(noop));
   const float inv = static_cast<float>(scale);
-  kernels::SgdArgs args;
-  args.lr = static_cast<float>(lr);
-  args.momentum = static_cast<float>(momentum);
-  args.dampening = static_cast<float>(dampening);
-  args.weight_decay = static_cast<float>(weight_decay);
-  args.nesterov = nesterov;
-  args.first_run = first_run;
-  args.wd_after_momentum = wd_after_momentum;
+  kernels::SgdArgs args =
+      sgd_args(lr, momentum, dampening, weight_decay, nesterov, first_run, wd_after_momentum);
   args.amp.inv_scale = &inv;
   args.amp.found_inf = &flag;
   kernels::cpu::sgd(lists.view(), args);
@@ -419,11 +402,7 @@ void multi_tensor_adagrad(Tensor noop, TensorList g, TensorList p, TensorList h,
   if (p.empty()) return;
   const Lists lists(
       who, {{&p, "params"}, {&g, "grads"}, {&h, "state_sums"}, {&master, "master_params"}}, 3);
-  kernels::AdagradArgs args;
-  args.lr = static_cast<float>(lr);
-  args.eps = static_cast<float>(eps);
-  args.weight_decay = static_cast<float>(weight_decay);
-  args.adagrad_w_mode = adagrad_w_mode;
+  kernels::AdagradArgs args = adagrad_args(lr, eps, adagrad_w_mode, weight_decay);
   args.amp.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
   args.amp.found_inf = scalar_ptr(found_inf, who, "found_inf");
   kernels::cpu::adagrad(lists.view(), args);
@@ -438,32 +417,14 @@ void multi_tensor_lamb(Tensor noop, TensorList g, TensorList p, TensorList m, Te
   constexpr const char* who = "multi_tensor_lamb";
   check_flag(noop, who);
   if (p.empty()) return;
-  const Lists lists(who,
-                    {{&p, "params"},
-                     {&g, "grads"},
-                     {&m, "exp_avgs"},
-                     {&v, "exp_avg_sqs"},
-                     {&master, "master_params"}},
-                    4);
+  const Lists lists = moment_lists(who, p, g, m, v, master);
   APEX_CHECK(step >= 1, who, ": step must be >= 1, got ", step);
   check_cpu(global_grad_norm, who);
   std::vector<float> u_sumsq(static_cast<size_t>(lists.size()), 0.0f);
   std::vector<float> p_sumsq(static_cast<size_t>(lists.size()), 0.0f);
   const float gnorm = static_cast<float>(read_scalar(global_grad_norm));
-  kernels::LambArgs args;
-  args.lr = static_cast<float>(lr);
-  args.beta1 = static_cast<float>(beta1);
-  args.beta2 = static_cast<float>(beta2);
-  args.beta3 = kernels::grad_weight(beta1, grad_averaging);
-  args.eps = static_cast<float>(eps);
-  args.weight_decay = static_cast<float>(weight_decay);
-  args.bias_correction1 =
-      static_cast<float>(kernels::bias_correction(beta1, step, bias_correction));
-  args.bias_correction2 =
-      static_cast<float>(kernels::bias_correction(beta2, step, bias_correction));
-  args.adam_w_mode = adam_w_mode;
-  args.use_nvlamb = use_nvlamb;
-  args.max_grad_norm = static_cast<float>(max_grad_norm);
+  kernels::LambArgs args = lamb_args(lr, beta1, beta2, eps, step, bias_correction, weight_decay,
+                                     grad_averaging, adam_w_mode, max_grad_norm, use_nvlamb);
   args.global_grad_norm = &gnorm;
   args.u_sumsq = u_sumsq.data();
   args.p_sumsq = p_sumsq.data();
@@ -494,17 +455,8 @@ void multi_tensor_novograd(Tensor noop, TensorList g, TensorList p, TensorList m
     vf[i] =
         static_cast<float>(read_scalar(torch::stable::narrow(flat, 0, static_cast<int64_t>(i), 1)));
   }
-  kernels::NovoGradArgs args;
-  args.lr = static_cast<float>(lr);
-  args.beta1 = static_cast<float>(beta1);
-  args.beta3 = kernels::grad_weight(beta1, grad_averaging);
-  args.eps = static_cast<float>(eps);
-  args.weight_decay = static_cast<float>(weight_decay);
-  args.bias_correction1 =
-      static_cast<float>(kernels::bias_correction(beta1, step, bias_correction));
-  args.bias_correction2 =
-      static_cast<float>(std::sqrt(kernels::bias_correction(beta2, step, bias_correction)));
-  args.reg_inside_moment = reg_inside_moment;
+  kernels::NovoGradArgs args = novograd_args(lr, beta1, beta2, eps, step, bias_correction,
+                                             weight_decay, grad_averaging, reg_inside_moment);
   args.v = vf.data();
   args.amp.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
   args.amp.found_inf = scalar_ptr(found_inf, who, "found_inf");
@@ -687,9 +639,6 @@ BatchNormLayout batch_norm_layout(const Tensor& x, const char* who) {
              dims(x.sizes()));
   check_cpu(x, who);
   BatchNormLayout l;
-  const int64_t n = x.size(0);
-  const int64_t c = x.size(1);
-  const int64_t numel = x.numel();
   // Channels-last as ATen's is_contiguous(ChannelsLast[3d]) reads it: C innermost, then the
   // spatial dimensions from the last, then N; a tensor contiguous both ways counts as NC*.
   bool cl = false;
@@ -702,14 +651,7 @@ BatchNormLayout batch_norm_layout(const Tensor& x, const char* who) {
   l.format = !cl            ? MemoryFormat::Contiguous
              : x.dim() == 4 ? MemoryFormat::ChannelsLast
                             : MemoryFormat::ChannelsLast3d;
-  l.shape.channels = c;
-  if (cl) {
-    l.shape.outer = c > 0 ? numel / c : 0;
-    l.shape.inner = 1;
-  } else {
-    l.shape.outer = n;
-    l.shape.inner = n * c > 0 ? numel / (n * c) : 1;
-  }
+  l.shape = kernels::batch_norm_shape(x.size(0), x.size(1), x.numel(), cl);
   return l;
 }
 

@@ -19,6 +19,21 @@ struct BatchNormShape {
   int64_t inner = 0;
 };
 
+/// The view of an input of `numel` elements with n = size(0) and c = size(1): NC* input as
+/// [n, c, the spatial size], channels-last input as [n * the spatial size, c, 1].
+inline BatchNormShape batch_norm_shape(int64_t n, int64_t c, int64_t numel, bool channels_last) {
+  BatchNormShape s;
+  s.channels = c;
+  if (channels_last) {
+    s.outer = c > 0 ? numel / c : 0;
+    s.inner = 1;
+  } else {
+    s.outer = n;
+    s.inner = n * c > 0 ? numel / (n * c) : 1;
+  }
+  return s;
+}
+
 /// Per channel c over its count = outer * inner values: mean[c] and m2[c] = sum (x - mean)^2
 /// (Welford's quantities: blocks of values summed around the block's own mean, then merged with
 /// Chan's formula).

@@ -80,23 +80,13 @@ BatchNormLayout batch_norm_layout(const at::Tensor& x, const char* who) {
   TORCH_CHECK(x.device().is_cpu() || x.device().is_cuda(), who,
               ": expected a CPU or CUDA tensor, got one on ", x.device());
   BatchNormLayout l;
-  const int64_t n = x.size(0);
-  const int64_t c = x.size(1);
-  const int64_t numel = x.numel();
   const bool cl =
       (x.dim() == 4 && !x.is_contiguous() && x.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
       (x.dim() == 5 && !x.is_contiguous() && x.is_contiguous(at::MemoryFormat::ChannelsLast3d));
   l.format = !cl            ? at::MemoryFormat::Contiguous
              : x.dim() == 4 ? at::MemoryFormat::ChannelsLast
                             : at::MemoryFormat::ChannelsLast3d;
-  l.shape.channels = c;
-  if (cl) {
-    l.shape.outer = c > 0 ? numel / c : 0;
-    l.shape.inner = 1;
-  } else {
-    l.shape.outer = n;
-    l.shape.inner = n * c > 0 ? numel / (n * c) : 1;
-  }
+  l.shape = kernels::batch_norm_shape(x.size(0), x.size(1), x.numel(), cl);
   return l;
 }
 
