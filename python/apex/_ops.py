@@ -77,12 +77,15 @@ class _StableOps:
                                  .reshape(hysteresis_tracker.shape))
 
     def __getattr__(self, name):
-        if hasattr(torch.ops.apex_cpp_stable, name):
+        if not name.startswith("__") and hasattr(torch.ops.apex_cpp_stable, name):
             op = getattr(torch.ops.apex_cpp_stable, name)
             setattr(self, name, op)  # found once; later lookups are plain attribute reads
             return op
-        raise RuntimeError(
-            f"apex (apex-cpp): {name} is in the op library built for torch {_BUILT_FOR}, not in the "
+        if name.startswith("__"):
+            raise AttributeError(name)
+        built = f"built for torch {_BUILT_FOR}" if _BUILT_FOR else "of this build"
+        raise AttributeError(
+            f"apex (apex-cpp): {name} is in the regular op library ({built}), not in the "
             f"stable-ABI library that serves torch {torch.__version__}; {_REINSTALL}")
 
 
@@ -154,7 +157,7 @@ def _rows(input, normalized_shape):
 
 def _norm_fwd_fake(input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient):
     rows = _rows(input, normalized_shape)
-    out_dtype = weight.dtype if mixed else input.dtype
+    out_dtype = weight.dtype if mixed and weight is not None else input.dtype
     y = torch.empty(input.shape, dtype=out_dtype, device=input.device)
     # Statistics are fp32, or float64 on the float64 path (any float64 input).
     f64 = any(t is not None and t.dtype == torch.float64 for t in (input, weight, bias))

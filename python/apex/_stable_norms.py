@@ -23,13 +23,15 @@ _DTYPE_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: 
                 torch.bfloat16: "BFloat16"}
 
 
-def _check(who, input, shape, weight, bias, eps):
+def _check(who, input, shape, weight, bias, eps, mixed=False):
     """The C++ norms' checks and messages (src/normalization/norm.cpp)."""
     if not input.is_floating_point():
         name = str(input.dtype).replace("torch.", "")
         raise RuntimeError(f"{who}: input must be a floating-point tensor, got {name}")
     if not eps > 0:
         raise RuntimeError(f"{who}: eps must be > 0, got {eps}")
+    if mixed and weight is None:
+        raise RuntimeError(f"{who}: the mixed-dtype variants need a weight")
     if not shape:
         raise RuntimeError(f"{who}: normalized_shape must not be empty")
     n = len(shape)
@@ -92,7 +94,7 @@ def bwd(grad_out, saved, mean, rstd, weight, bias, shape, eps, rms, mixed, memor
 def torch_fwd(input, shape, weight, bias, eps, rms, mixed, memory_efficient):
     """(y, mean, rstd) on torch's ops: mean is empty for RMSNorm; statistics per row in the compute
     dtype."""
-    _check("FusedRMSNorm" if rms else "FusedLayerNorm", input, shape, weight, bias, eps)
+    _check("FusedRMSNorm" if rms else "FusedLayerNorm", input, shape, weight, bias, eps, mixed)
     ct = _compute_dtype(input, weight, bias)
     rows, cols = _rows_cols(input, shape)
     x = input.to(ct).reshape(rows, cols)
@@ -163,10 +165,34 @@ class _Norm(torch.autograd.Function):
         shape, eps, rms, mixed, memory_efficient, input_dtype = ctx.spec
         wants = ctx.needs_input_grad
         mask = [wants[0], weight is not None and wants[1], bias is not None and wants[2]]
-        dx, dw, db = bwd(grad_out, saved, mean, rstd, weight, bias, shape, eps, rms, mixed,
-                         memory_efficient, input_dtype, mask)
+        # Computed without a graph, as the regular library's node does: under create_graph the
+        # gradients carry a node that refuses a second backward (the stable op has no autograd
+        # kernel, so it would otherwise give None there without a word).
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            dx, dw, db = bwd(grad_out, saved, mean, rstd, weight, bias, shape, eps, rms, mixed,
+                             memory_efficient, input_dtype, mask)
+        if create_graph:
+            sources = [t for t in (grad_out, saved, weight, bias)
+                       if t is not None and t.requires_grad]
+            if sources:
+                dx, dw, db = _NoDoubleBackward.apply("FusedRMSNorm" if rms else "FusedLayerNorm",
+                                                     len(sources), *sources, dx, dw, db)
         return (dx if mask[0] else None, dw if mask[1] else None, db if mask[2] else None,
                 None, None, None, None, None)
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Passes gradients on (copies); differentiating them raises the regular library's message."""
+
+    @staticmethod
+    def forward(ctx, who, n_sources, *tensors):
+        ctx.who = who
+        return tuple(t.clone() for t in tensors[n_sources:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{ctx.who}: double backward is not supported")
 
 
 def norm(input, shape, weight, bias, eps, rms, mixed, memory_efficient):

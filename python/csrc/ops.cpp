@@ -247,6 +247,9 @@ void multi_tensor_lamb(const Tensor& noop, const TensorList& g, const TensorList
   if (p.empty()) return;
   const bridge::ListBuilder lists = moment_lists(who, p, g, m, v, master);
   TORCH_CHECK(step >= 1, who, ": step must be >= 1, got ", step);
+  TORCH_CHECK(global_grad_norm.numel() == 1, who,
+              ": global_grad_norm must be a one-element tensor, got ", global_grad_norm.numel(),
+              " elements");
   const c10::Device device = p.front().device();
   const auto opts = p.front().options().dtype(at::kFloat);
   const Tensor u_sumsq = at::zeros({lists.size()}, opts);

@@ -85,6 +85,16 @@ const char* dtype_name(ScalarType t) {
       return "Int";
     case ScalarType::Bool:
       return "Bool";
+    case ScalarType::Short:
+      return "Short";
+    case ScalarType::Char:
+      return "Char";
+    case ScalarType::Byte:
+      return "Byte";
+    case ScalarType::ComplexFloat:
+      return "ComplexFloat";
+    case ScalarType::ComplexDouble:
+      return "ComplexDouble";
     default:
       return "a dtype other than float32, float16 or bfloat16";
   }
@@ -236,8 +246,10 @@ Lists moment_lists(const char* who, const TensorList& p, const TensorList& g, co
                4);
 }
 
-// One element of a CPU tensor of any real dtype, as a double.
+// The one element of a CPU tensor of any real dtype, as a double.
 double read_scalar(const Tensor& t) {
+  APEX_CHECK(t.numel() == 1, "apex-cpp: expected a one-element tensor, got ", t.numel(),
+             " elements");
   return with_element_type(t, t.mutable_data_ptr(), [](auto* p) {
     using T = std::remove_pointer_t<decltype(p)>;
     if constexpr (std::is_arithmetic_v<T>) {
@@ -420,6 +432,9 @@ void multi_tensor_lamb(Tensor noop, TensorList g, TensorList p, TensorList m, Te
   const Lists lists = moment_lists(who, p, g, m, v, master);
   APEX_CHECK(step >= 1, who, ": step must be >= 1, got ", step);
   check_cpu(global_grad_norm, who);
+  APEX_CHECK(global_grad_norm.numel() == 1, who,
+             ": global_grad_norm must be a one-element tensor, got ", global_grad_norm.numel(),
+             " elements");
   std::vector<float> u_sumsq(static_cast<size_t>(lists.size()), 0.0f);
   std::vector<float> p_sumsq(static_cast<size_t>(lists.size()), 0.0f);
   const float gnorm = static_cast<float>(read_scalar(global_grad_norm));
@@ -520,6 +535,7 @@ std::tuple<Tensor, Tensor, Tensor> fused_norm_fwd(Tensor input, std::vector<int6
                                                   bool mixed, bool memory_efficient) {
   const char* who = norm_who(rms);
   const Geometry g = check_norm_inputs(who, input, shape, weight, bias, eps);
+  APEX_CHECK(!mixed || weight.has_value(), who, ": the mixed-dtype variants need a weight");
   const Tensor x = as_contiguous(input);
   const std::optional<Tensor> w = as_contiguous(weight);
   const std::optional<Tensor> b = as_contiguous(bias);
@@ -562,6 +578,12 @@ std::tuple<Tensor, Tensor, Tensor> fused_norm_bwd(
   APEX_CHECK(rstd.numel() == g.rows && (rms || memory_efficient || mean.numel() == g.rows), who,
              ": the saved statistics have ", rstd.numel(), " rows, expected ", g.rows);
   check_cpu(grad_out, who);
+  // The kernels read the saved input as input_dtype, and the weight as the bias's dtype.
+  APEX_CHECK(memory_efficient || saved.scalar_type() == input_dtype, who, ": the saved input is ",
+             dtype_name(saved.scalar_type()), " but input_dtype is ", dtype_name(input_dtype));
+  APEX_CHECK(!weight || !bias || weight->scalar_type() == bias->scalar_type(), who,
+             ": weight and bias must have the same dtype, got ", dtype_name(weight->scalar_type()),
+             " and ", dtype_name(bias->scalar_type()));
   const Tensor dy = as_contiguous(grad_out);
   const Tensor src = as_contiguous(saved);
   const std::optional<Tensor> w = as_contiguous(weight);
@@ -777,18 +799,22 @@ STABLE_TORCH_LIBRARY(apex_cpp_stable, m) {
   m.def("cpu_isa() -> str");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(apex_cpp_stable, CPU, m) {
+// Every op's kernel, for the CPU key and for the CUDA key: CUDA tensors reach the same functions,
+// whose checks say that this library has CPU kernels only (rather than the dispatcher's "could
+// not run ... with arguments from the 'CUDA' backend").
 #define APEX_PY_IMPL(name, schema) m.impl(#name, TORCH_BOX(&apex::python::stable::name));
-  APEX_PY_MULTI_TENSOR_OPS(APEX_PY_IMPL)
-#undef APEX_PY_IMPL
-  m.impl("fused_norm_fwd", TORCH_BOX(&apex::python::stable::fused_norm_fwd));
-  m.impl("fused_norm_bwd", TORCH_BOX(&apex::python::stable::fused_norm_bwd));
-  m.impl("batch_norm_stats", TORCH_BOX(&apex::python::stable::batch_norm_stats));
-  m.impl("batch_norm_elemt", TORCH_BOX(&apex::python::stable::batch_norm_elemt));
-  m.impl("batch_norm_backward_reduce",
-         TORCH_BOX(&apex::python::stable::batch_norm_backward_reduce));
+#define APEX_STABLE_IMPLS(m)                                                      \
+  APEX_PY_MULTI_TENSOR_OPS(APEX_PY_IMPL)                                          \
+  m.impl("fused_norm_fwd", TORCH_BOX(&apex::python::stable::fused_norm_fwd));     \
+  m.impl("fused_norm_bwd", TORCH_BOX(&apex::python::stable::fused_norm_bwd));     \
+  m.impl("batch_norm_stats", TORCH_BOX(&apex::python::stable::batch_norm_stats)); \
+  m.impl("batch_norm_elemt", TORCH_BOX(&apex::python::stable::batch_norm_elemt)); \
+  m.impl("batch_norm_backward_reduce",                                            \
+         TORCH_BOX(&apex::python::stable::batch_norm_backward_reduce));           \
   m.impl("batch_norm_backward_elemt", TORCH_BOX(&apex::python::stable::batch_norm_backward_elemt));
-}
+
+STABLE_TORCH_LIBRARY_IMPL(apex_cpp_stable, CPU, m){
+    APEX_STABLE_IMPLS(m)} STABLE_TORCH_LIBRARY_IMPL(apex_cpp_stable, CUDA, m){APEX_STABLE_IMPLS(m)}
 
 // No tensor arguments: a kernel for every dispatch key.
 STABLE_TORCH_LIBRARY_IMPL(apex_cpp_stable, CompositeExplicitAutograd, m) {

@@ -223,7 +223,6 @@ def test_compiled_autograd(eager_route):
         assert "APEX_NORM_EAGER_AUTOGRAD=0" in r.stdout
 
 
-@pytest.mark.regular_ops
 def test_double_backward_is_refused_clearly():
     m = FusedLayerNorm(16)
     x = torch.randn(4, 16, requires_grad=True)

@@ -35,6 +35,8 @@ def test_this_run_has_the_regular_library():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_same_schemas(name):
+    """Both libraries register the schemas of csrc/schemas.h (one source, so they cannot drift
+    apart; this checks that each library registers them, under the op names Python calls)."""
     regular = str(getattr(R, name).default._schema).replace("apex_cpp::", "")
     stable = str(getattr(S, name).default._schema).replace("apex_cpp_stable::", "")
     assert regular == stable
@@ -224,6 +226,17 @@ def test_batch_norm_same_messages(bad):
     lambda ops: ops.fused_norm_bwd(torch.randn(4, 16), torch.randn(4, 16), torch.zeros(3),
                                    torch.ones(3), None, None, [16], 1e-5, False, False, False,
                                    torch.float32, [True, False, False]),
+    # mixed without a weight; a saved input of another dtype than input_dtype; a bias of another
+    # dtype than the weight (each would make the kernels read past a buffer)
+    lambda ops: ops.fused_norm_fwd(torch.randn(2, 4), [4], None, None, 1e-5, False, True, False),
+    lambda ops: ops.fused_norm_bwd(torch.randn(4, 16, dtype=torch.bfloat16),
+                                   torch.randn(4, 16, dtype=torch.bfloat16), torch.zeros(4),
+                                   torch.ones(4), None, None, [16], 1e-5, False, False, False,
+                                   torch.float32, [True, False, False]),
+    lambda ops: ops.fused_norm_bwd(torch.randn(4, 16), torch.randn(4, 16), torch.zeros(4),
+                                   torch.ones(4), torch.ones(16, dtype=torch.bfloat16),
+                                   torch.zeros(16), [16], 1e-5, False, False, True,
+                                   torch.float32, [True, True, True]),
 ])
 def test_norms_same_messages(bad):
     assert message(lambda: bad(S)) == message(lambda: bad(R))
@@ -277,6 +290,13 @@ def message(call):
                                       1, True, True, 0.0, torch.ones(2)),
     lambda ops: ops.multi_tensor_sgd(torch.zeros(1), [torch.ones(3)], [torch.ones(3)], [], [],
                                      0.1, 0.9, 0.0, 0.0, False, True, False, 1.0),
+    lambda ops: ops.multi_tensor_lamb(torch.zeros(1), [torch.ones(3)], [torch.ones(3)],
+                                      [torch.zeros(3)], [torch.zeros(3)], [], 0.1, 0.9, 0.99,
+                                      1e-6, 1, True, 0.0, True, True, torch.tensor([3.0, 1.0]),
+                                      1.0, False),
+    lambda ops: ops.multi_tensor_lamb(torch.zeros(1), [torch.ones(3)], [torch.ones(3)],
+                                      [torch.zeros(3)], [torch.zeros(3)], [], 0.1, 0.9, 0.99,
+                                      1e-6, 1, True, 0.0, True, True, torch.empty(0), 1.0, False),
     lambda ops: ops.multi_tensor_novograd(torch.zeros(1), [torch.ones(3)], [torch.ones(3)],
                                           [torch.ones(3)], [], torch.ones(2), 0.1, 0.9, 0.9,
                                           1e-8, 1, True, 0.0, True, False),

@@ -481,6 +481,13 @@ std::array<at::Tensor, 3> backward(const char* who, const at::Tensor& grad_out,
               ", expected the output's ", saved.sizes());
   TORCH_CHECK(rstd.numel() == g.rows && (rms || memory_efficient || mean.numel() == g.rows), who,
               ": the saved statistics have ", rstd.numel(), " rows, expected ", g.rows);
+  // The kernels read the saved input as input_dtype, and the weight as the bias's dtype.
+  TORCH_CHECK(memory_efficient || saved.scalar_type() == input_dtype, who, ": the saved input is ",
+              saved.scalar_type(), " but input_dtype is ", input_dtype);
+  TORCH_CHECK(!weight.defined() || !bias.defined() || weight.scalar_type() == bias.scalar_type() ||
+                  is_f64(saved, weight, bias),
+              who, ": weight and bias must have the same dtype, got ", weight.scalar_type(),
+              " and ", bias.scalar_type());
   const at::Tensor w = weight.defined() ? weight.contiguous() : at::Tensor();
   const at::Tensor b = bias.defined() ? bias.contiguous() : at::Tensor();
   const at::Tensor src = saved.contiguous();

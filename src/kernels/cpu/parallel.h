@@ -28,10 +28,15 @@ inline bool in_parallel_region() { return detail::in_region; }
 template <class F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   torch::stable::parallel_for(begin, end, grain, [&f](int64_t b, int64_t e) {
-    const bool outer = detail::in_region;
-    detail::in_region = true;
+    // Restored however f leaves (a kernel may throw std::bad_alloc).
+    struct Region {
+      bool outer = detail::in_region;
+      Region() { detail::in_region = true; }
+      ~Region() { detail::in_region = outer; }
+      Region(const Region&) = delete;
+      Region& operator=(const Region&) = delete;
+    } region;
     f(b, e);
-    detail::in_region = outer;
   });
 }
 
