@@ -49,6 +49,9 @@ class _StableOps:
     def cpu_half_fallback_exit(self):
         pass
 
+    def cpu_half_fallback_prepare(self):
+        pass
+
     @staticmethod
     def update_scale_hysteresis(scale, growth_tracker, hysteresis_tracker, found_inf,
                                 growth_factor, backoff_factor, growth_interval, hysteresis):

@@ -628,6 +628,7 @@ TORCH_LIBRARY(apex_cpp, m) {
   m.def("cpu_half_fallback_exit() -> ()", &cpu_half_fallback_exit);
   m.def("cpu_half_fallback_active() -> bool", &cpu_half_fallback_active);
   m.def("cpu_half_fallback_available() -> bool", &cpu_half_fallback_available);
+  m.def("cpu_half_fallback_prepare() -> ()", &apex::amp::prepare_cpu_half_fallback);
   m.def("_cpu_half_fallback_force(int forced) -> ()", &cpu_half_fallback_force);
   m.def("bench_scale_calls(Tensor(a!) noop_flag, Tensor[] x, Tensor(b!)[] y, int n) -> float",
         &bench_scale_calls);

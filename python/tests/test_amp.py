@@ -316,3 +316,77 @@ def test_bench_amp_area_runs():
     assert all(r["ours_ms"] > 0 and r["peer_ms"] > 0 for r in rows)
     assert amp._amp_state.__dict__ == before  # the caller's amp state is back
     assert json.dumps(rows)
+
+
+def _run_fresh(script):
+    """script in a new process (the route's kernels and GELU tables are set up once per process)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+@pytest.mark.regular_ops
+def test_amp_initialize_registers_the_route_at_setup():
+    """apex.amp.initialize at O1 on a CPU model puts the route's kernels into the dispatcher at
+    once, not on the first forward (torch's dispatcher is not safe to change while other threads
+    call the same ops); O0 does not."""
+    out = _run_fresh("""
+import torch
+from apex import amp
+torch.ops.apex_cpp._cpu_half_fallback_force(1)
+ours = lambda: "cpu_half.cpp" in torch._C._dispatch_dump("aten::mm")
+before = ours()
+amp.initialize(torch.nn.Linear(4, 4), opt_level="O0", verbosity=0)
+after_o0 = ours()
+amp.initialize(torch.nn.Linear(4, 4), opt_level="O1", verbosity=0)
+print(before, after_o0, ours())
+""")
+    assert out.split() == ["False", "False", "True"]
+
+
+@pytest.mark.regular_ops
+def test_cpu_half_gelu_tables_ignore_flush_to_zero():
+    """GELU's tables built on a thread that flushes subnormals to zero (torch.set_flush_denormal)
+    still hold the subnormal results: they serve every thread afterwards."""
+    out = _run_fresh("""
+import torch
+from apex import amp
+torch.ops.apex_cpp._cpu_half_fallback_force(1)
+# bf16 subnormals with an even last bit: gelu(x) rounds to exactly x / 2
+bits = [0x0010, 0x0020, 0x8040, 0x0002, 0x807E]
+x = torch.tensor([b - 0x10000 if b & 0x8000 else b for b in bits],
+                 dtype=torch.int16).view(torch.bfloat16)
+assert torch.set_flush_denormal(True)
+with amp.cpu_half_fallback():
+    torch.nn.functional.gelu(x)  # the table is built here, under flush-to-zero
+torch.set_flush_denormal(False)
+with amp.cpu_half_fallback():
+    y = torch.nn.functional.gelu(x)
+assert torch.equal(y.view(torch.int16), (x.double() / 2).to(torch.bfloat16).view(torch.int16)), y
+assert (y != 0).all()
+print("ok")
+""")
+    assert "ok" in out
+
+
+@pytest.mark.regular_ops
+def test_cpu_half_attention_masks(forced_fallback):
+    """A floating mask of another half dtype than the query is refused as torch refuses it; a
+    broadcast (expanded) mask gives the result of the same mask materialised."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=g).bfloat16() for _ in range(3))
+    attn = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    bad = torch.zeros(5, 5, dtype=torch.float16)
+    with pytest.raises(RuntimeError):
+        attn(q, k, v, attn_mask=bad)
+    with amp.cpu_half_fallback():
+        assert amp.cpu_half_fallback_active()
+        with pytest.raises(RuntimeError):
+            attn(q, k, v, attn_mask=bad)
+        mask = torch.randn(1, 1, 5, 5, generator=g).bfloat16()
+        expanded = attn(q, k, v, attn_mask=mask.expand(2, 3, 5, 5))
+        full = attn(q, k, v, attn_mask=mask.expand(2, 3, 5, 5).contiguous())
+    for a, b in zip(expanded, full):
+        assert torch.equal(a, b)

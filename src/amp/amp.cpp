@@ -547,6 +547,9 @@ Amp::Amp(std::vector<std::shared_ptr<torch::nn::Module>> models,
     std::cerr << "apex::amp: initialized with\n" << p.describe();
   }
   warn_if_half_matmuls_are_slow(st);
+  // The route's kernels go into the dispatcher now, at setup, rather than on the first forward,
+  // while a data loader's or a second model's threads may be running the same ops.
+  if (detail::computes_in_half(p)) prepare_cpu_half_fallback();
 }
 
 Amp::~Amp() = default;

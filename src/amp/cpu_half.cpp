@@ -115,18 +115,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
   return {gi.defined() ? gi.to(t) : gi, gw.defined() ? gw.to(t) : gw, gb.defined() ? gb.to(t) : gb};
 }
 
+// A mask the route takes: none, a boolean one, or a floating one in the query's half dtype
+// (LibTorch refuses a floating mask of another dtype; an fp32 one goes to LibTorch's kernel).
+bool mask_taken(const at::Tensor& m, const at::Tensor& q) {
+  return !m.defined() || !m.is_floating_point() || m.scalar_type() == q.scalar_type();
+}
+
+// A floating mask widened to fp32 without materialising its broadcast dimensions: the stored
+// values are widened, then expanded again (LibTorch's kernel reads zero strides).
+at::Tensor wide_mask(const at::Tensor& m) {
+  at::Tensor compact = m;
+  for (int64_t d = 0; d < m.dim(); ++d) {
+    if (m.stride(d) == 0 && m.size(d) > 1) compact = compact.narrow(d, 0, 1);
+  }
+  return wide(compact).expand(m.sizes());
+}
+
 std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& v, double dropout_p,
                                                    bool is_causal,
                                                    const std::optional<at::Tensor>& attn_mask,
                                                    std::optional<double> scale) {
   const at::Tensor m = attn_mask.value_or(at::Tensor());
-  if (!take({&q, &k, &v}) || (m.defined() && m.is_floating_point() && !is_half(m))) {
+  if (!take({&q, &k, &v}) || !mask_taken(m, q)) {
     return at::cpu::_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
                                                                 attn_mask, scale);
   }
   const std::optional<at::Tensor> wm =
-      m.defined() && m.is_floating_point() ? std::optional<at::Tensor>(wide(m)) : attn_mask;
+      m.defined() && m.is_floating_point() ? std::optional<at::Tensor>(wide_mask(m)) : attn_mask;
   auto [out, lse] = at::cpu::_scaled_dot_product_flash_attention_for_cpu(
       wide(q), wide(k), wide(v), dropout_p, is_causal, wm, scale);
   return {out.to(q.scalar_type()), lse};  // logsumexp is fp32 for half inputs too
@@ -137,13 +153,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     const at::Tensor& out, const at::Tensor& logsumexp, double dropout_p, bool is_causal,
     const std::optional<at::Tensor>& attn_mask, std::optional<double> scale) {
   const at::Tensor m = attn_mask.value_or(at::Tensor());
-  if (!take({&grad_out, &q, &k, &v, &out}) ||
-      (m.defined() && m.is_floating_point() && !is_half(m))) {
+  if (!take({&grad_out, &q, &k, &v, &out}) || !mask_taken(m, q)) {
     return at::cpu::_scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask, scale);
   }
   const std::optional<at::Tensor> wm =
-      m.defined() && m.is_floating_point() ? std::optional<at::Tensor>(wide(m)) : attn_mask;
+      m.defined() && m.is_floating_point() ? std::optional<at::Tensor>(wide_mask(m)) : attn_mask;
   auto [gq, gk, gv] = at::cpu::_scaled_dot_product_flash_attention_for_cpu_backward(
       wide(grad_out), wide(q), wide(k), wide(v), wide(out), logsumexp, dropout_p, is_causal, wm,
       scale);
@@ -228,6 +243,10 @@ bool cpu_half_fallback_available() {
 }
 
 bool cpu_half_fallback_active() { return active_depth > 0; }
+
+void prepare_cpu_half_fallback() {
+  if (cpu_half_fallback_available()) register_kernels();
+}
 
 CpuHalfFallbackGuard::CpuHalfFallbackGuard(bool enabled)
     : counted_(enabled && cpu_half_fallback_available()) {

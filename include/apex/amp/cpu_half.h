@@ -41,6 +41,15 @@ class CpuHalfFallbackGuard {
   bool counted_;
 };
 
+/// Puts the route's kernels into LibTorch's dispatcher now, where the route is available (else
+/// does nothing); otherwise the first CpuHalfFallbackGuard of the process does it. LibTorch's
+/// dispatcher is not safe to change while other threads call the ops concerned (mm, convolution,
+/// gelu, ...), so call this before starting threads that run such ops, as apex::amp::initialize
+/// does at O1-O3. Once in, the kernels stay for the process: outside a guard they hand every call
+/// to LibTorch's own CPU kernel (so an earlier override of these CPU kernels by another library
+/// is bypassed from then on, for every dtype).
+void prepare_cpu_half_fallback();
+
 namespace detail {
 /// Tests only: decide availability as `forced` (nullopt: from the CPU and the environment again).
 void force_cpu_half_fallback_available(std::optional<bool> forced);

@@ -53,6 +53,13 @@ def cpu_half_fallback_available():
     return ops.cpu_half_fallback_available()
 
 
+def prepare_cpu_half_fallback():
+    """Puts the route's kernels into torch's dispatcher now (where it is available) instead of on
+    the first scope: the dispatcher is not safe to change while other threads run the ops
+    concerned, so ``apex.amp.initialize`` calls this at setup."""
+    ops.cpu_half_fallback_prepare()
+
+
 def cpu_half_fallback_active():
     """Whether a scope is open in this thread and the route is in use."""
     return ops.cpu_half_fallback_active()

@@ -9,7 +9,7 @@ import torch
 from apex._ops import ops
 
 from ._amp_state import _amp_state, maybe_print
-from .cpu_half import cpu_half_fallback
+from .cpu_half import cpu_half_fallback, prepare_cpu_half_fallback
 from .scaler import LossScaler
 
 
@@ -308,6 +308,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                 _cast_model(m, props.cast_model_type, props.keep_batchnorm_fp32)
             if props.computes_in_half():
                 _patch_forward(m, props, device_type)
+                if device_type == "cpu":
+                    prepare_cpu_half_fallback()  # at setup, not on the first forward
         for o in optimizers_list:
             _patch_optimizer(o, props)
     _amp_state.loss_scalers = [

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include <xmmintrin.h>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -23,6 +24,19 @@ namespace {
 // Elements per task: a few microseconds of lookups, so small tensors stay on the calling thread.
 constexpr int64_t kGrain = 32768;
 constexpr int64_t kPatterns = 65536;
+
+// Clears the SSE flush-to-zero and denormals-are-zero bits for its lifetime.
+class ExactSubnormals {
+ public:
+  ExactSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~kFlushBits); }
+  ~ExactSubnormals() { _mm_setcsr(saved_); }
+  ExactSubnormals(const ExactSubnormals&) = delete;
+  ExactSubnormals& operator=(const ExactSubnormals&) = delete;
+
+ private:
+  static constexpr unsigned kFlushBits = 0x8040;  // FTZ (bit 15) and DAZ (bit 6)
+  unsigned saved_;
+};
 
 struct Tables {
   std::array<uint16_t, kPatterns + 1> y{};  // f(x), rounded to the dtype; one entry of padding
@@ -77,6 +91,9 @@ const Tables& gelu_tables(DType t, bool tanh) {
   const int d = t == DType::kBFloat16 ? 0 : 1;
   const int f = tanh ? 1 : 0;
   std::call_once(once[d][f], [&] {
+    // Subnormal inputs and results must stay what they are, whatever flush-to-zero mode the
+    // building thread runs in (torch.set_flush_denormal): the tables serve every thread after.
+    const ExactSubnormals exact;
     auto tb = std::make_unique<Tables>();
     for (int64_t i = 0; i < kPatterns; ++i) {
       double y, dy;
