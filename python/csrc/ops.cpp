@@ -83,6 +83,14 @@ bridge::ListBuilder build_lists(const char* who,
                                 const std::vector<std::pair<const TensorList*, const char*>>& ls,
                                 size_t required) {
   check_lists(who, ls, required);
+  // Lists 0 and 1 are the parameters and gradients; the rest is optimizer state and fp32 masters,
+  // which the kernels read and write as fp32.
+  for (size_t i = 2; i < ls.size(); ++i) {
+    const TensorList& l = *ls[i].first;
+    TORCH_CHECK(l.empty() || l.front().scalar_type() == at::kFloat, who, ": ", ls[i].second,
+                " must be float32 (optimizer state and masters are fp32), got ",
+                l.front().scalar_type());
+  }
   bridge::ListBuilder b(static_cast<int>(ls.size()));
   std::vector<Tensor> row(ls.size());
   for (size_t r = 0; r < ls.front().first->size(); ++r) {

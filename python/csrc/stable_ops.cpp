@@ -176,13 +176,18 @@ using Named = std::pair<const TensorList*, const char*>;
 // optional lists (index >= required) may be empty, and are then absent.
 class Lists {
  public:
-  Lists(const char* who, const std::vector<Named>& ls, size_t required) {
+  // state_from: the first list holding optimizer state or masters (fp32 only); none by default.
+  Lists(const char* who, const std::vector<Named>& ls, size_t required,
+        size_t state_from = kernels::kMaxLists) {
     const TensorList& ref = *ls.front().first;
     for (size_t i = 0; i < ls.size(); ++i) {
       const TensorList& l = *ls[i].first;
       if (i >= required && l.empty()) continue;
       check_list(l, who, ls[i].second);
       if (i > 0) check_matching(ref, l, who, ls.front().second, ls[i].second);
+      APEX_CHECK(i < state_from || l.front().scalar_type() == ScalarType::Float, who, ": ",
+                 ls[i].second, " must be float32 (optimizer state and masters are fp32), got ",
+                 dtype_name(l.front().scalar_type()));
       view_.dtype[i] = kernel_dtype(l.front().scalar_type(), who);
       ptrs_[i].reserve(l.size());
       for (const Tensor& t : l) ptrs_[i].push_back(t.mutable_data_ptr());
@@ -243,7 +248,7 @@ Lists moment_lists(const char* who, const TensorList& p, const TensorList& g, co
                 {&m, "exp_avgs"},
                 {&v, "exp_avg_sqs"},
                 {&master, "master_params"}},
-               4);
+               4, 2);
 }
 
 // The one element of a CPU tensor of any real dtype, as a double.
@@ -393,7 +398,7 @@ void multi_tensor_sgd(Tensor noop, TensorList g, TensorList p, TensorList moment
                      {&g, "grads"},
                      {&momentum_buf, "momentum_buffers"},
                      {&master, "master_params"}},
-                    2);
+                    2, 2);
   APEX_CHECK(momentum == 0 || !momentum_buf.empty(), who, ": momentum ", momentum,
              " needs the momentum buffers");
   // The step is skipped when the noop flag is already set (apex's early exit).
@@ -413,7 +418,7 @@ void multi_tensor_adagrad(Tensor noop, TensorList g, TensorList p, TensorList h,
   check_flag(noop, who);
   if (p.empty()) return;
   const Lists lists(
-      who, {{&p, "params"}, {&g, "grads"}, {&h, "state_sums"}, {&master, "master_params"}}, 3);
+      who, {{&p, "params"}, {&g, "grads"}, {&h, "state_sums"}, {&master, "master_params"}}, 3, 2);
   kernels::AdagradArgs args = adagrad_args(lr, eps, adagrad_w_mode, weight_decay);
   args.amp.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
   args.amp.found_inf = scalar_ptr(found_inf, who, "found_inf");
@@ -458,7 +463,7 @@ void multi_tensor_novograd(Tensor noop, TensorList g, TensorList p, TensorList m
   check_flag(noop, who);
   if (p.empty()) return;
   const Lists lists(
-      who, {{&p, "params"}, {&g, "grads"}, {&m, "exp_avgs"}, {&master, "master_params"}}, 3);
+      who, {{&p, "params"}, {&g, "grads"}, {&m, "exp_avgs"}, {&master, "master_params"}}, 3, 2);
   APEX_CHECK(step >= 1, who, ": step must be >= 1, got ", step);
   APEX_CHECK(v.numel() == static_cast<int64_t>(p.size()), who, ": grad_norms has ", v.numel(),
              " elements, expected one per tensor (", p.size(), ")");

@@ -390,3 +390,84 @@ def test_cpu_half_attention_masks(forced_fallback):
         full = attn(q, k, v, attn_mask=mask.expand(2, 3, 5, 5).contiguous())
     for a, b in zip(expanded, full):
         assert torch.equal(a, b)
+
+
+def test_delay_unscale_accumulation_over_iterations():
+    """apex's accumulation pattern, delay_unscale=(k + 1) % accumulate != 0, over several
+    iterations: the same parameters as fp32 training with summed gradients."""
+    import copy
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O0", loss_scale="dynamic", verbosity=0)
+    for _ in range(3):
+        for k in range(2):
+            x = torch.randn(5, 4)
+            with amp.scale_loss(model(x).square().mean(), opt, delay_unscale=k == 0) as s:
+                s.backward()
+            ref(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def _o2(model, lr=0.1, loss_scale=128.0):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    return amp.initialize(model, opt, opt_level="O2", loss_scale=loss_scale, verbosity=0,
+                          half_dtype=torch.bfloat16)
+
+
+def test_o2_masters_do_not_pile_up_under_model_zero_grad():
+    """Code that zeroes the model's gradients (model.zero_grad(), as HF's apex path does) trains as
+    code that zeroes the optimizer's: the masters' gradients are cleared by step, as apex did."""
+    import copy
+    torch.manual_seed(1)
+    base = torch.nn.Linear(4, 2)
+    x = torch.randn(6, 4)
+    results = []
+    for zero in ("model", "optimizer"):
+        model, opt = _o2(copy.deepcopy(base))
+        for _ in range(3):
+            with amp.scale_loss(model(x.bfloat16()).float().square().mean(), opt) as s:
+                s.backward()
+            opt.step()
+            (model if zero == "model" else opt).zero_grad()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_o2_trains_the_weights_loaded_after_initialize():
+    """apex built its masters at the first backward, so initialize-then-load_state_dict trains
+    the loaded weights (a step with lr 0 leaves them as loaded)."""
+    torch.manual_seed(2)
+    model, opt = _o2(torch.nn.Linear(4, 2), lr=0.0)
+    loaded = {"weight": torch.full((2, 4), 0.25), "bias": torch.full((2,), 7.0)}
+    model.load_state_dict(loaded)
+    with amp.scale_loss(model(torch.randn(3, 4).bfloat16()).float().sum(), opt) as s:
+        s.backward()
+    opt.step()
+    assert torch.equal(model.bias.float(), loaded["bias"])
+    assert torch.equal(model.weight.float(), loaded["weight"])
+
+
+def test_o2_param_group_added_after_initialize():
+    """A group added after initialize gets fp32 masters and unscaled gradients too."""
+    torch.manual_seed(3)
+    model, opt = _o2(torch.nn.Linear(4, 2), lr=1.0, loss_scale=128.0)
+    extra = torch.nn.Parameter(torch.tensor([1.0, 2.0]).bfloat16())
+    opt.add_param_group({"params": [extra]})
+    master = opt.param_groups[-1]["params"][0]
+    assert master.dtype == torch.float32 and master is not extra
+    c = torch.tensor([0.5, -0.25])
+    with amp.scale_loss((extra.float() * c).sum() + model(torch.randn(2, 4).bfloat16()).sum(),
+                        opt) as s:
+        s.backward()
+    assert torch.equal(master.grad, c)  # unscaled
+    opt.step()
+    assert torch.equal(extra.float(), torch.tensor([0.5, 2.25]))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import amp_C
+from apex import _ops
 from apex.multi_tensor_apply import multi_tensor_applier
 from apex.optimizers import (FusedAdagrad, FusedAdam, FusedLAMB, FusedMixedPrecisionLamb,
                              FusedNovoGrad, FusedSGD)
@@ -395,3 +396,72 @@ def test_grad_scaler_unscale_then_clip_then_step():
             scaler.step(opt_)
             scaler.update()
     close(ours, ref)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: FusedAdam(ps, lr=1e-2),
+    lambda ps: FusedAdam(ps, lr=1e-2, capturable=True, master_weights=True),
+    lambda ps: FusedLAMB(ps, lr=1e-2),
+    lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9),
+    lambda ps: FusedAdagrad(ps, lr=1e-2),
+    lambda ps: FusedNovoGrad(ps, lr=1e-2),
+])
+def test_half_params_resume_from_state_dict(make):
+    """torch's load_state_dict casts state to each parameter's dtype; the fused optimizers keep
+    their state fp32 (the kernels write it as fp32): a resumed optimizer steps as the original."""
+    torch.manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(33).bfloat16()), torch.nn.Parameter(torch.randn(4, 5))]
+
+    def grads(k):
+        g = torch.Generator().manual_seed(k)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+    opt = make(params)
+    for k in range(2):
+        grads(k)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    snapshot = [p.detach().clone() for p in params]
+    grads(2)
+    opt.step()
+    expected = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, s in zip(params, snapshot):
+            p.copy_(s)
+    resumed = make(params)
+    resumed.load_state_dict(saved)
+    for st in resumed.state.values():
+        for v in st.values():
+            if torch.is_tensor(v) and v.is_floating_point():
+                assert v.dtype == torch.float32
+    grads(2)
+    resumed.step()
+    for p, e in zip(params, expected):
+        assert torch.equal(p.detach(), e)
+
+
+def test_state_of_another_dtype_is_refused():
+    """The kernels keep optimizer state in fp32: a bf16 moment is refused, not written past."""
+    p = [torch.ones(4, dtype=torch.bfloat16)]
+    with pytest.raises(RuntimeError, match="exp_avgs must be float32"):
+        _ops.ops.multi_tensor_adam(torch.zeros(1), [torch.ones(4, dtype=torch.bfloat16)], p,
+                                   [torch.zeros(4, dtype=torch.bfloat16)], [torch.zeros(4)], [],
+                                   0.1, 0.9, 0.99, 1e-8, 1, True, True, 0.0)
+    assert torch.equal(p[0], torch.ones(4, dtype=torch.bfloat16))
+
+
+def test_empty_groups_and_groups_added_later():
+    """An empty group is skipped (apex does); a group added to a capturable FusedAdam gets its
+    step counter."""
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    FusedAdam([{"params": []}, {"params": [p]}], lr=0.1).step()
+    FusedSGD([{"params": []}, {"params": [p]}], lr=0.1).step()
+    assert p.detach().lt(1).all()
+    opt = FusedAdam([torch.nn.Parameter(torch.ones(2))], lr=0.1, capturable=True)
+    q = torch.nn.Parameter(torch.ones(2))
+    q.grad = torch.ones(2)
+    opt.add_param_group({"params": [q]})
+    opt.step()
+    assert q.detach().lt(1).all() and int(opt.param_groups[-1]["step"]) == 1

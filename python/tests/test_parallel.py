@@ -105,7 +105,9 @@ def _ddp_rank(rank, world, options):
     g = torch.Generator().manual_seed(9)
     x = torch.randn(12, 8, generator=g)
     y = torch.randn(12, 2, generator=g)
-    model = DistributedDataParallel(_net(), **options)
+    options = dict(options)
+    net = _WithUnused() if options.pop("unused", False) else _net()
+    model = DistributedDataParallel(net, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     per = 12 // world
     for _ in range(3):
@@ -113,13 +115,30 @@ def _ddp_rank(rank, world, options):
         out = model(x[rank * per:(rank + 1) * per])
         torch.nn.functional.mse_loss(out, y[rank * per:(rank + 1) * per]).backward()
         opt.step()
-    return [p.detach() for p in model.module.parameters()]
+    module = model.module.net if isinstance(model.module, _WithUnused) else model.module
+    return [p.detach() for p in module.parameters()]
 
 
+class _WithUnused(torch.nn.Module):
+    """_net() and a layer no forward uses (apex's delay_allreduce reduced what had gradients)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _net()
+        self.unused = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+# gradient_average=False with gradient_predivide_factor = world size 2: apex's sum of
+# grad / 2, which is the average here.
 @pytest.mark.parametrize("options", [{}, {"delay_allreduce": True},
                                      {"allreduce_always_fp32": True,
                                       "gradient_predivide_factor": 2.0},
-                                     {"message_size": 64}])
+                                     {"gradient_average": False, "gradient_predivide_factor": 2.0},
+                                     {"message_size": 64},
+                                     {"delay_allreduce": True, "unused": True}])
 def test_ddp_equals_one_process_on_the_whole_batch(options):
     results = run(2, _ddp_rank, options)
     g = torch.Generator().manual_seed(9)

@@ -173,34 +173,57 @@ class _AmpStash:
 
 
 def _setup_masters(optimizer):
-    """O2: the optimizer steps fp32 masters of the model's half parameters (cloned from them),
-    and its existing state follows them."""
+    """O2: the optimizer steps fp32 masters of the model's half parameters, and its existing
+    state follows them. Their values are taken from the model again at the first ``scale_loss``
+    or ``step`` (``_amp_lazy_init``, as apex did), so weights loaded after ``amp.initialize`` are
+    the ones trained."""
     stash = optimizer._amp_stash
     stash.fp16_groups = []
     stash.fp32_from_fp16_groups = []
     stash.fp32_from_fp32_groups = []
+    stash.all_fp16_params = []
+    stash.all_fp32_from_fp16_params = []
+    stash.all_fp32_from_fp32_params = []
     for group in optimizer.param_groups:
-        fp16, fp32_from_fp16, fp32 = [], [], []
-        new_params = []
-        for p in group["params"]:
-            if p.dtype in (torch.float16, torch.bfloat16):
-                master = p.detach().clone().float()
-                master.requires_grad_(True)
-                fp16.append(p)
-                fp32_from_fp16.append(master)
-                new_params.append(master)
-                if p in optimizer.state:
-                    optimizer.state[master] = optimizer.state.pop(p)
-            else:
-                fp32.append(p)
-                new_params.append(p)
-        group["params"] = new_params
-        stash.fp16_groups.append(fp16)
-        stash.fp32_from_fp16_groups.append(fp32_from_fp16)
-        stash.fp32_from_fp32_groups.append(fp32)
-    stash.all_fp16_params = [p for g in stash.fp16_groups for p in g]
-    stash.all_fp32_from_fp16_params = [p for g in stash.fp32_from_fp16_groups for p in g]
-    stash.all_fp32_from_fp32_params = [p for g in stash.fp32_from_fp32_groups for p in g]
+        _split_group(optimizer, group)
+
+
+def _split_group(optimizer, group):
+    """One group's half parameters replaced by fp32 masters (O2), recorded in the stash."""
+    stash = optimizer._amp_stash
+    fp16, fp32_from_fp16, fp32 = [], [], []
+    new_params = []
+    for p in group["params"]:
+        if p.dtype in (torch.float16, torch.bfloat16):
+            master = p.detach().clone().float()
+            master.requires_grad_(True)
+            fp16.append(p)
+            fp32_from_fp16.append(master)
+            new_params.append(master)
+            if p in optimizer.state:
+                optimizer.state[master] = optimizer.state.pop(p)
+        else:
+            fp32.append(p)
+            new_params.append(p)
+    group["params"] = new_params
+    stash.fp16_groups.append(fp16)
+    stash.fp32_from_fp16_groups.append(fp32_from_fp16)
+    stash.fp32_from_fp32_groups.append(fp32)
+    stash.all_fp16_params.extend(fp16)
+    stash.all_fp32_from_fp16_params.extend(fp32_from_fp16)
+    stash.all_fp32_from_fp32_params.extend(fp32)
+
+
+def _lazy_init(optimizer):
+    """O2, once, before the first backward or step: the masters take the model's current half
+    weights (what was loaded into the model after amp.initialize)."""
+    stash = optimizer._amp_stash
+    if stash.lazy_init_called:
+        return
+    stash.lazy_init_called = True
+    with torch.no_grad():
+        for m, p in zip(stash.all_fp32_from_fp16_params, stash.all_fp16_params):
+            m.copy_(p.detach().float())
 
 
 def _copy_masters_to_model(stash):
@@ -221,22 +244,40 @@ def _patch_optimizer(optimizer, props):
     stash = optimizer._amp_stash
     stash.params_have_scaled_gradients = False
     stash.already_patched = False
-    stash.lazy_init_called = True
     stash.master_weights = bool(props.master_weights)
+    stash.lazy_init_called = not stash.master_weights
     if stash.master_weights:
         _setup_masters(optimizer)
+    optimizer._amp_lazy_init = functools.partial(_lazy_init, optimizer)
     old_step = optimizer.step
     old_zero_grad = optimizer.zero_grad
+    old_add_param_group = optimizer.add_param_group
+
+    def drop_master_grads():
+        # apex's step clears them: code that zeroes the model's gradients (model.zero_grad())
+        # never reaches the masters, whose gradients would otherwise be stashed and added again.
+        for m in stash.all_fp32_from_fp16_params:
+            m.grad = None
 
     @functools.wraps(old_step)
     def step(*args, **kwargs):
+        _lazy_init(optimizer)
         if stash.skip_next_step:
             stash.skip_next_step = False
+            if stash.master_weights:
+                drop_master_grads()
             return None
         out = old_step(*args, **kwargs)
         if stash.master_weights:
             _copy_masters_to_model(stash)
+            drop_master_grads()
         return out
+
+    @functools.wraps(old_add_param_group)
+    def add_param_group(param_group):
+        old_add_param_group(param_group)
+        if stash.master_weights:  # O2: the new group's half parameters get masters too
+            _split_group(optimizer, optimizer.param_groups[-1])
 
     @functools.wraps(old_zero_grad)
     def zero_grad(*args, **kwargs):
@@ -249,6 +290,7 @@ def _patch_optimizer(optimizer, props):
     stash.skip_next_step = False
     optimizer.step = step
     optimizer.zero_grad = zero_grad
+    optimizer.add_param_group = add_param_group
 
 
 def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
@@ -333,6 +375,8 @@ def state_dict(destination=None):
     for i, scaler in enumerate(_amp_state.loss_scalers):
         destination[f"loss_scaler{i}"] = {"loss_scale": scaler.loss_scale(),
                                           "unskipped": scaler._unskipped}
+    for o in getattr(_amp_state, "optimizers", []):
+        o._amp_lazy_init()  # saved before the first step: the model's weights as they are now
     masters = [[m.detach().clone() for m in o._amp_stash.all_fp32_from_fp16_params]
                for o in getattr(_amp_state, "optimizers", [])
                if getattr(o._amp_stash, "master_weights", False)]
@@ -390,6 +434,7 @@ def load_state_dict(state_dict):
                 for m, src in zip(o._amp_stash.all_fp32_from_fp16_params, ms):
                     m.copy_(src)
                 _copy_masters_to_model(o._amp_stash)
+                o._amp_stash.lazy_init_called = True  # the restored masters are the ones
 
 
 def master_params(optimizer):

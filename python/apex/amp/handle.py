@@ -42,7 +42,8 @@ def _prepare_backward(optimizer):
 def _post_backward(optimizer, scaler):
     stash = optimizer._amp_stash
     model_params, master_params = _grad_lists(optimizer)
-    stashed = getattr(stash, "stashed", [None] * len(master_params))
+    # None after a full scope: a scope that follows delayed ones (delay_unscale) stashed nothing.
+    stashed = getattr(stash, "stashed", None) or [None] * len(master_params)
     model_grads, master_grads, stashed_grads = [], [], []
     plain = ([], [])
     for p, m, s in zip(model_params, master_params, stashed):
@@ -97,6 +98,8 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
         with cpu_half_fallback(half_cpu):
             yield loss.float()
         return
+    for o in opts:
+        o._amp_lazy_init()  # O2: masters from the model's weights as they are now
     if not delay_unscale:
         for o in opts:
             if not o._amp_stash.params_have_scaled_gradients:

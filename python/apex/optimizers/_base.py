@@ -2,6 +2,7 @@
 protocol (``grad_scale`` / ``found_inf`` set on the optimizer before ``step``, so gradients are
 unscaled inside the kernel and an overflow skips the step without unscaling anything)."""
 from collections import defaultdict
+from itertools import chain
 
 import torch
 
@@ -32,13 +33,34 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        if first is None:  # no parameters at all (empty groups are skipped, as apex does)
+            return loss
         with torch.no_grad():
-            self._step(self._scaling(grad_scaler, self.param_groups[0]["params"][0].device))
+            self._step(self._scaling(grad_scaler, first.device))
         return loss
 
     def _step(self, scaling):
         for group in self.param_groups:
-            self._step_group(group, scaling)
+            if group["params"]:
+                self._step_group(group, scaling)
+
+    def load_state_dict(self, state_dict):
+        """torch's loader casts every floating state tensor to its parameter's dtype, but the
+        kernels keep optimizer state and masters in fp32 (a bf16 moment would be written as fp32
+        past its end): state saved for half parameters is put back in fp32."""
+        saved = state_dict["state"]
+        ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        keep = {}
+        for pid, p in zip(ids, chain.from_iterable(g["params"] for g in self.param_groups)):
+            if p.dtype == torch.float32:
+                continue
+            for key, value in saved.get(pid, {}).items():
+                if torch.is_tensor(value) and value.is_floating_point():
+                    keep[(p, key)] = value.to(device=p.device, dtype=torch.float32).clone()
+        super().load_state_dict(state_dict)
+        for (p, key), value in keep.items():
+            self.state[p][key] = value
 
     @staticmethod
     def _check_legacy(name, **legacy):

@@ -43,9 +43,20 @@ class FusedAdam(_FusedOptimizer):
         self.multi_tensor_adam_capturable_master = amp_C.multi_tensor_adam_capturable_master
         if capturable:
             for group in self.param_groups:
-                device = group["params"][0].device
-                group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=device)
-                group["step"] = torch.zeros(1, dtype=torch.int32, device=device)
+                self._capturable_items(group)
+
+    def _capturable_items(self, group):
+        """Capturable mode: lr and the step counter as tensors on the group's device."""
+        device = group["params"][0].device if group["params"] else torch.device("cpu")
+        if not torch.is_tensor(group["lr"]):
+            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=device)
+        if not torch.is_tensor(group.get("step")):
+            group["step"] = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        if getattr(self, "capturable", False):  # not during __init__ (set after)
+            self._capturable_items(self.param_groups[-1])
 
     def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None,
              **kwargs):

@@ -1,5 +1,3 @@
-from itertools import chain
-
 import torch
 
 from .fused_lamb import FusedLAMB
@@ -68,19 +66,8 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         return [full[where[id(p)]] for p in params]
 
     def load_state_dict(self, state_dict):
-        """torch's loader casts every floating state tensor to its parameter's dtype: the fp32
-        moments of half parameters are put back as they were saved."""
-        saved = state_dict["state"]
-        ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        moments = {}
-        for pid, p in zip(ids, chain.from_iterable(g["params"] for g in self.param_groups)):
-            for key in ("exp_avg", "exp_avg_sq"):
-                value = saved.get(pid, {}).get(key)
-                if value is not None:
-                    moments[(p, key)] = value.to(device=p.device, dtype=torch.float32).clone()
+        """The state back in fp32 (_FusedOptimizer), lr and step as tensors again."""
         super().load_state_dict(state_dict)
-        for (p, key), value in moments.items():
-            self.state[p][key] = value
         for group in self.param_groups:
             self._tensor_items(group)
         self.param_groups_full_precision = []

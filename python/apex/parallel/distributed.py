@@ -4,7 +4,7 @@ import torch.distributed as dist
 
 def _apex_hook(allreduce_always_fp32, gradient_predivide_factor, gradient_average):
     """apex's reduction: optionally in fp32, divided by `predivide` before the sum and by
-    world / predivide after it (or not averaged at all)."""
+    world / predivide after it (without gradient_average: the sum of grad / predivide)."""
 
     def hook(process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD
@@ -17,10 +17,10 @@ def _apex_hook(allreduce_always_fp32, gradient_predivide_factor, gradient_averag
 
         def finish(f):
             out = f.value()[0]
+            # apex: the sum of grad / predivide, then averaged by world / predivide; without
+            # gradient_average the sum of grad / predivide stays as it is.
             if gradient_average:
                 out.mul_(gradient_predivide_factor / world)
-            elif gradient_predivide_factor != 1.0:
-                out.mul_(gradient_predivide_factor)
             if out.dtype != buf.dtype:
                 buf.copy_(out)
                 return buf
@@ -36,7 +36,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     still runs). apex's options map to it:
 
     * ``message_size`` (elements) -> the bucket size (``bucket_cap_mb`` at 4 bytes per element);
-    * ``delay_allreduce`` -> one bucket, reduced when the whole backward is done;
+    * ``delay_allreduce`` -> one bucket, reduced when the whole backward is done, with
+      ``find_unused_parameters`` (apex reduced whatever had a gradient);
     * ``allreduce_always_fp32``, ``gradient_predivide_factor``, ``gradient_average`` -> a comm hook
       (no hook when they are at their defaults: the Reducer's own averaging runs).
 
@@ -69,6 +70,10 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             raise RuntimeError("apex.parallel.DistributedDataParallel: call "
                                "torch.distributed.init_process_group first")
         bucket_cap_mb = 1e9 if delay_allreduce else message_size * 4 / (1 << 20)
+        if delay_allreduce:
+            # apex reduced whatever had a gradient once backward was done, so parameters unused
+            # in an iteration were fine there; torch's Reducer needs to be told to look for them.
+            ddp_kwargs.setdefault("find_unused_parameters", True)
         device_ids = None
         params = list(module.parameters())
         if params and params[0].is_cuda and "device_ids" not in ddp_kwargs:
