@@ -1,5 +1,6 @@
 #include <apex/amp/initialize.h>
 #include <apex/amp/utils.h>
+#include <apex/parallel/no_sync_count.h>
 
 #include "amp/unscale.h"
 #include "common/io.h"
@@ -193,6 +194,17 @@ void AmpState::prepare_backward(size_t target, int64_t loss_id) {
                 " (delay_unscale=true); the next scale_loss for it must use loss_id ",
                 e.pending_loss_id, ", got ", loss_id);
     return;
+  }
+  // Checked before anything moves: a gradient that is a view into DDP's bucket
+  // (gradient_as_bucket_view) does not survive the stash (the Reducer writes the next backward's
+  // gradient into that bucket and re-points .grad at it; amp + DDP with it did not train as
+  // without DDP), so it is refused rather than trained wrong.
+  for (const auto& s : e.slots) {
+    TORCH_CHECK(!s.model.grad().defined() || !s.model.grad().is_view(),
+                "Amp::scale_loss: a parameter's gradient (shape ", s.model.sizes(),
+                ") is a view, as DistributedDataParallel's gradient_as_bucket_view makes them; amp "
+                "with a loss scale other than a static 1 does not support it: construct the DDP "
+                "without gradient_as_bucket_view");
   }
   for (auto& s : e.slots) {
     if (s.copy) {
@@ -591,6 +603,15 @@ ScaledLoss Amp::scale_loss(const at::Tensor& loss, int64_t loss_id,
   TORCH_CHECK(loss_id >= 0 && loss_id < static_cast<int64_t>(st.scalers.size()),
               "Amp::scale_loss: loss_id ", loss_id, " out of range; initialize made ",
               st.scalers.size(), " loss scaler(s) (num_losses)");
+  // Inside a NoSyncGuard the backward is not all-reduced: its gradients must stay in place, scaled,
+  // for the next synchronised backward to reduce. Unscaling here would stash them before that
+  // backward and add them back after it, never reduced (ranks drift apart, and an overflow in
+  // them would skip the step on one rank only).
+  TORCH_CHECK(
+      st.fast_path || options.delay_unscale() || parallel::detail::active_no_sync_guards == 0,
+      "Amp::scale_loss: inside apex::parallel::NoSyncGuard (gradient accumulation without "
+      "all-reduce) use ScaleLossOptions().delay_unscale(true), so that the accumulated "
+      "gradients stay scaled in place for the next synchronised backward to reduce");
   const auto targets = st.targets_of(options);
   // This scaler's scale must reflect every earlier iteration before it is used again.
   st.resolve([&](const detail::PendingCheck& c) { return c.loss_id == loss_id; });

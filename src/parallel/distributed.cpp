@@ -170,12 +170,22 @@ DdpEngine::DdpEngine(torch::nn::Module& module, ProcessGroup group,
   TORCH_CHECK(!(o.static_graph() && o.delay_allreduce()), kWho,
               ": static_graph and delay_allreduce cannot be combined");
 
-  // Parameters that need gradients, each once (shared parameters appear under several names).
+  // Parameters that need gradients, each once (shared parameters appear under several names);
+  // frozen ones too, for the construction check and broadcast only (Python's DDP syncs every
+  // parameter: a frozen layer initialised differently per rank would differ for the whole run).
   std::unordered_set<const c10::TensorImpl*> seen;
   std::unordered_map<size_t, std::string> names;
+  std::vector<at::Tensor> frozen;
   for (const auto& np : module.named_parameters()) {
     const at::Tensor& p = np.value();
-    if (!p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    if (!p.requires_grad()) {
+      TORCH_CHECK(p.device().type() == group_.device().type(), kWho, ": parameter '", np.key(),
+                  "' is on ", p.device(), " but the process group reduces ", group_.device(),
+                  " tensors");
+      frozen.push_back(p);
+      continue;
+    }
     TORCH_CHECK(p.device().type() == group_.device().type(), kWho, ": parameter '", np.key(),
                 "' is on ", p.device(), " but the process group reduces ", group_.device(),
                 " tensors");
@@ -191,12 +201,15 @@ DdpEngine::DdpEngine(torch::nn::Module& module, ProcessGroup group,
 
   if (o.init_sync() && group_.size() > 1) {
     try {
-      c10d::verify_params_across_processes(s.pg, s.params, std::nullopt);
+      std::vector<at::Tensor> all = s.params;
+      all.insert(all.end(), frozen.begin(), frozen.end());
+      c10d::verify_params_across_processes(s.pg, all, std::nullopt);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, kWho, ": the ranks hold different models (rank ", group_.rank(),
                   "): ", message_of(e));
     }
     std::vector<at::Tensor> state = s.params;
+    state.insert(state.end(), frozen.begin(), frozen.end());
     state.insert(state.end(), s.buffers.begin(), s.buffers.end());
     broadcast_from_rank0(s.pg, state, "parameters", group_.rank());
   }

@@ -194,6 +194,12 @@ c10::intrusive_ptr<c10d::Store> c10d_store(const ProcessGroup& group) {
 ProcessGroup init_process_group(const ProcessGroupOptions& o) {
   const char* who = "apex::parallel::init_process_group";
   constexpr int64_t kMaxWorld = 1 << 20;
+  // -1 means "unset" (the environment, else the default); any other negative value is an error.
+  TORCH_CHECK(o.world_size() >= -1, who, ": world_size must be in [1, ", kMaxWorld,
+              "] (or -1: $WORLD_SIZE), got ", o.world_size());
+  TORCH_CHECK(o.rank() >= -1, who, ": rank must be >= 0 (or -1: $RANK), got ", o.rank());
+  TORCH_CHECK(o.master_port() >= -1, who,
+              ": master_port must be in [1, 65535] (or -1: $MASTER_PORT), got ", o.master_port());
   const int64_t world = o.world_size() >= 0 ? o.world_size()
                         : env("WORLD_SIZE")
                             ? parse_int(*env("WORLD_SIZE"), "WORLD_SIZE", 1, kMaxWorld)

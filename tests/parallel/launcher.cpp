@@ -64,6 +64,7 @@ std::vector<RankResult> launch(const std::string& worker, const LaunchOptions& o
     env["MASTER_PORT"] = std::to_string(port);
     env["OMP_NUM_THREADS"] = "1";
     env.erase("TORCHELASTIC_USE_AGENT_STORE");
+    env.erase("GLOO_SOCKET_IFNAME");  // would bind that interface instead of 127.0.0.1
     for (const auto& [k, v] : o.env) env[k] = v;
     std::vector<std::string> kv;
     for (const auto& [k, v] : env) kv.push_back(k + "=" + v);

@@ -176,6 +176,16 @@ int ddp_equivalence(int rank, int world, const std::string& arg) {
   auto local = std::make_shared<Wrapped>(local_m, seq_fwd(local_m), local_extra);
   auto ref = std::make_shared<Wrapped>(ref_m, ref_fwd, ref_extra);
 
+  if (mode == "frozen") {
+    // The first layer frozen, still initialised per rank: construction makes it rank 0's (as
+    // Python's DDP does), or every step differs from the reference.
+    auto lp = local->parameters();
+    auto rp = ref->parameters();
+    for (size_t i = 0; i < 2; ++i) {
+      lp[i].set_requires_grad(false);
+      rp[i].set_requires_grad(false);
+    }
+  }
   ap::DistributedDataParallelOptions o;
   if (buckets == "many") o.bucket_cap_mb(0.0005).first_bucket_mb(0.0002);
   if (buckets == "one") o.bucket_cap_mb(1000).first_bucket_mb(1000);
@@ -429,6 +439,7 @@ TEST(Ddp, Bf16CompressHook) { equivalence(2, "model=mlp,mode=bf16"); }
 TEST(Ddp, AllreduceAlwaysFp32Hook) { equivalence(2, "model=mlp,mode=fp32"); }
 TEST(Ddp, GradientPredivideFactor) { equivalence(3, "model=mlp,mode=predivide"); }
 TEST(Ddp, GradientSumWithoutAverage) { equivalence(2, "model=mlp,mode=sum"); }
+TEST(Ddp, FrozenParametersAreRankZeros) { equivalence(2, "model=mlp,mode=frozen"); }
 
 TEST(DdpAmp, InfOnOneRankSkipsEveryRankO2) {
   LaunchOptions o;
@@ -508,6 +519,16 @@ TEST(ProcessGroup, GroupOfOneAndBadOptions) {
             ap::ProcessGroupOptions().world_size(1).backend(ap::Backend::kGloo).device(c10::kCUDA));
       },
       "the Gloo backend reduces CPU tensors, got device cuda"));
+  // -1 is "unset" (the environment); other negative values are refused, not replaced.
+  EXPECT_TRUE(apex::test::throws_with(
+      [] { ap::init_process_group(ap::ProcessGroupOptions().rank(-3).world_size(1)); },
+      "rank must be >= 0 (or -1: $RANK), got -3"));
+  EXPECT_TRUE(apex::test::throws_with(
+      [] { ap::init_process_group(ap::ProcessGroupOptions().world_size(-2)); },
+      "world_size must be in [1, 1048576] (or -1: $WORLD_SIZE), got -2"));
+  EXPECT_TRUE(apex::test::throws_with(
+      [] { ap::init_process_group(ap::ProcessGroupOptions().world_size(1).master_port(-7)); },
+      "master_port must be in [1, 65535] (or -1: $MASTER_PORT), got -7"));
   auto pg = ap::init_process_group(ap::ProcessGroupOptions().rank(0).world_size(1));
   EXPECT_EQ(pg.size(), 1);
   at::Tensor t = at::arange(5, at::kFloat);
@@ -533,6 +554,76 @@ TEST(ProcessGroup, GroupOfOneAndBadOptions) {
             torch::nn::Linear(2, 2), ap::DistributedDataParallelOptions().bucket_cap_mb(-1), pg1);
       },
       "bucket_cap_mb must be > 0, got -1"));
+}
+
+// amp with DDP in one process (a dynamic scale: the path that stashes gradients; bf16 at O1
+// defaults to a static 1, where nothing is stashed): gradients accumulated over two scale_loss
+// scopes per step train as amp without DDP; inside a NoSyncGuard a scope must keep its gradients
+// scaled (delay_unscale), else it is refused before anything changes; gradients that are views
+// into DDP's buckets (gradient_as_bucket_view) are refused before anything changes.
+TEST(DdpAmp, AccumulationNoSyncAndBucketViews) {
+  auto pg = ap::init_process_group(ap::ProcessGroupOptions().rank(0).world_size(1));
+  const auto opts = apex::amp::Options(apex::amp::OptLevel::O1)
+                        .half_dtype(at::kBFloat16)
+                        .loss_scale(apex::amp::LossScale::dynamic())
+                        .verbosity(0);
+  torch::manual_seed(1);
+  auto a = mlp();
+  torch::manual_seed(1);
+  auto b = mlp();
+  torch::optim::SGD oa(a->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD ob(b->parameters(), torch::optim::SGDOptions(0.1));
+  auto amp_a = apex::amp::initialize(a, oa, opts);
+  auto amp_b = apex::amp::initialize(b, ob, opts);
+  ap::DistributedDataParallel<torch::nn::Sequential> ddp(b, ap::DistributedDataParallelOptions(),
+                                                         pg);
+  for (int s = 0; s < 3; ++s) {
+    amp_a.zero_grad();
+    amp_b.zero_grad();
+    for (int k = 0; k < 2; ++k) {
+      const at::Tensor x = randn_seeded({5, 12}, 10 * s + k);
+      amp_a.scale_loss(amp_a.forward(a, x).to(at::kFloat).square().mean()).backward();
+      amp_b.scale_loss(amp_b.forward(ddp, x).to(at::kFloat).square().mean()).backward();
+    }
+    amp_a.step();
+    amp_b.step();
+  }
+  EXPECT_EQ(compare_params(*b, *a, {0, 0}, "amp accumulation under DDP"), 0);
+
+  amp_b.zero_grad();
+  const auto before = b->parameters()[0].detach().clone();
+  {
+    ap::NoSyncGuard no_sync(ddp);
+    const at::Tensor x = randn_seeded({5, 12}, 99);
+    EXPECT_TRUE(apex::test::throws_with(
+        [&] { amp_b.scale_loss(amp_b.forward(ddp, x).to(at::kFloat).mean()).backward(); },
+        "inside apex::parallel::NoSyncGuard"));
+    amp_b
+        .scale_loss(amp_b.forward(ddp, x).to(at::kFloat).mean(), 0,
+                    apex::amp::ScaleLossOptions().delay_unscale(true))
+        .backward();
+  }
+  amp_b.scale_loss(amp_b.forward(ddp, randn_seeded({5, 12}, 98)).to(at::kFloat).mean()).backward();
+  EXPECT_TRUE(b->parameters()[0].detach().equal(before));
+  amp_b.step();
+
+  torch::manual_seed(2);
+  auto c = mlp();
+  torch::optim::SGD oc(c->parameters(), torch::optim::SGDOptions(0.1));
+  auto amp_c = apex::amp::initialize(c, oc, opts);
+  ap::DistributedDataParallel<torch::nn::Sequential> view_ddp(
+      c, ap::DistributedDataParallelOptions().gradient_as_bucket_view(true), pg);
+  amp_c.scale_loss(amp_c.forward(view_ddp, randn_seeded({5, 12}, 1)).to(at::kFloat).mean())
+      .backward();
+  amp_c.step();
+  const auto grad = c->parameters()[0].grad().clone();
+  EXPECT_TRUE(apex::test::throws_with(
+      [&] {
+        amp_c.scale_loss(amp_c.forward(view_ddp, randn_seeded({5, 12}, 2)).to(at::kFloat).mean())
+            .backward();
+      },
+      "without gradient_as_bucket_view"));
+  EXPECT_TRUE(c->parameters()[0].grad().equal(grad));
 }
 
 // A DDP of one process trains exactly as the bare module.

@@ -4,6 +4,7 @@
 // Python's DDP): gradients all-reduced in buckets launched from autograd hooks while backward
 // still runs.
 
+#include <apex/parallel/no_sync_count.h>
 #include <apex/parallel/process_group.h>
 #include <torch/arg.h>
 #include <torch/nn/module.h>
@@ -179,8 +180,12 @@ class NoSyncGuard {
   explicit NoSyncGuard(detail::DdpEngine& engine)
       : engine_(engine), previous_(engine.require_backward_grad_sync) {
     engine_.require_backward_grad_sync = false;
+    ++detail::active_no_sync_guards;
   }
-  ~NoSyncGuard() { engine_.require_backward_grad_sync = previous_; }
+  ~NoSyncGuard() {
+    engine_.require_backward_grad_sync = previous_;
+    --detail::active_no_sync_guards;
+  }
   NoSyncGuard(const NoSyncGuard&) = delete;
   NoSyncGuard& operator=(const NoSyncGuard&) = delete;
 
