@@ -339,13 +339,14 @@ def run(cmd, env=None, cwd=None):
 
 
 def test_the_suite_on_the_stable_library():
-    """APEX_OPS=stable: the package on the stable library passes the optimizer, amp_C, amp, norm,
-    device and parallel suites (the tests of the regular library's own routes are marked and
-    skipped; the parallel suite's ranks inherit APEX_OPS)."""
+    """APEX_OPS=stable: the package on the stable library passes the optimizer, amp_C, amp, norm
+    and device suites (the tests of the regular library's own routes are marked and skipped).
+    The parallel suite (real processes) runs on it in scripts/check_stable_abi; here the
+    batch-norm ops it calls are checked bit for bit against the regular library's instead, which
+    keeps the multi-process tests to one run per CI."""
     env = dict(os.environ, APEX_OPS="stable")
     files = [os.path.join(HERE, f) for f in ("test_optimizers.py", "test_amp_C.py", "test_amp.py",
-                                             "test_normalization.py", "test_devices.py",
-                                             "test_parallel.py")]
+                                             "test_normalization.py", "test_devices.py")]
     r = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], env=env,
             cwd=HERE)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
