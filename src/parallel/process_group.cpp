@@ -108,8 +108,17 @@ ProcessGroup::ProcessGroup(std::shared_ptr<detail::ProcessGroupState> state)
     : state_(std::move(state)) {}
 
 namespace {
-const detail::ProcessGroupState& checked(const std::shared_ptr<detail::ProcessGroupState>& s,
-                                         const char* what) {
+// Guards the groups' shared state against destroy() on another thread: every operation works on
+// a copy taken under it (its own references to the c10d group and store), so a collective in
+// flight keeps what it uses alive, and a destroy between the check and the call cannot free it.
+std::mutex& state_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+detail::ProcessGroupState checked(const std::shared_ptr<detail::ProcessGroupState>& s,
+                                  const char* what) {
+  const std::lock_guard<std::mutex> lock(state_mutex());
   TORCH_CHECK(s != nullptr && s->group, "apex::parallel::ProcessGroup::", what,
               ": the group is not initialized (call init_process_group) or was destroyed");
   return *s;
@@ -134,7 +143,10 @@ c10::Device ProcessGroup::device() const { return checked(state_, "device").devi
 std::chrono::milliseconds ProcessGroup::timeout() const {
   return checked(state_, "timeout").timeout;
 }
-bool ProcessGroup::valid() const { return state_ != nullptr && state_->group; }
+bool ProcessGroup::valid() const {
+  const std::lock_guard<std::mutex> lock(state_mutex());
+  return state_ != nullptr && state_->group;
+}
 
 void ProcessGroup::all_reduce_(at::Tensor& tensor) const {
   const auto& s = checked(state_, "all_reduce_");
@@ -179,8 +191,16 @@ void ProcessGroup::barrier() const {
 
 void ProcessGroup::destroy() {
   if (state_ == nullptr) return;
-  state_->group.reset();
-  state_->store.reset();
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  c10::intrusive_ptr<c10d::Store> store;
+  {
+    const std::lock_guard<std::mutex> lock(state_mutex());
+    group = std::move(state_->group);
+    store = std::move(state_->store);
+    state_->group.reset();
+    state_->store.reset();
+  }
+  // Released outside the lock (a last reference tears Gloo's connections down).
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> c10d_group(const ProcessGroup& group) {
