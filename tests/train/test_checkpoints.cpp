@@ -292,6 +292,30 @@ TEST_F(Checkpoints, FailedMetricsWritesAreErrors) {
   EXPECT_NE(err.find("--metrics " + path("m.jsonl") + ": write failed"), std::string::npos) << err;
 }
 
+// A new run into a folder that holds a checkpoint is refused (its first save would replace it
+// without a word), before any training, and the checkpoint stays; a resumed run's --stop-after
+// must lie after the checkpoint's step.
+TEST_F(Checkpoints, ExistingCheckpointNeedsResume) {
+  const std::string common = std::string(APEX_TRAIN_EXE) +
+                             " --no-progress --model mlp --width 32 --opt-level O1 "
+                             "--train-size 128 --checkpoint " +
+                             path("ck") + " ";
+  const Proc first = run(common + "--steps 5 --stop-after 3");
+  ASSERT_EQ(first.status, 0) << first.out;
+  const Proc again = run(common + "--steps 5");
+  EXPECT_NE(again.status, 0);
+  EXPECT_NE(again.out.find("already holds a run's checkpoint"), std::string::npos) << again.out;
+  EXPECT_TRUE(std::filesystem::exists(path("ck") + "/step-3/model.pt"));
+  const Proc late = run(common + "--steps 5 --resume --stop-after 3");
+  EXPECT_NE(late.status, 0);
+  EXPECT_NE(late.out.find("--stop-after 3 is not after the resumed checkpoint's step 3"),
+            std::string::npos)
+      << late.out;
+  const Proc resumed = run(common + "--steps 5 --resume");
+  EXPECT_EQ(resumed.status, 0) << resumed.out;
+  EXPECT_TRUE(std::filesystem::exists(path("ck") + "/step-5/model.pt"));
+}
+
 // kill -9 at 20 random moments of a run that checkpoints every step: resuming (or starting
 // over where no checkpoint was complete yet) always ends in exactly the uninterrupted run.
 TEST_F(Checkpoints, KillNineWhileCheckpointingResumesExactly) {

@@ -103,6 +103,15 @@ TEST(TrainCli, BadInput) {
       },
       "either --opt-level or --compare"));
   EXPECT_TRUE(throws_with([] { parse_cli({"--resume"}); }, "--resume needs --checkpoint"));
+  // Numbers are plain decimals: strtoll/strtod's leading spaces, '+' and hexadecimal are refused.
+  for (const char* v : {"+5", " 5", "5 ", "0x10"}) {
+    EXPECT_TRUE(throws_with([&] { parse_cli({"--steps", v}); }, "--steps expects an integer")) << v;
+  }
+  for (const char* v : {"0x1p-10", " 0.1", "+0.1", "inf", "nan"}) {
+    EXPECT_TRUE(throws_with([&] { parse_cli({"--lr", v}); }, "--lr expects a number")) << v;
+  }
+  EXPECT_TRUE(throws_with([] { parse_cli({"--loss-scale", " 8"}); }, "--loss-scale expects"));
+  EXPECT_EQ(parse_cli({"--lr", "1e-3", "--steps", "7"}).train.steps, 7);
   EXPECT_TRUE(throws_with(
       [] {
         parse_cli({"--steps", "3", "--epochs", "1"});

@@ -7,6 +7,7 @@
 
 #include <ATen/Context.h>
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 
 #include <cerrno>
@@ -19,13 +20,29 @@
 namespace apex::train {
 namespace {
 
+// Written as a plain decimal number: a digit or '-' first (strtoll/strtod also take leading
+// spaces and '+', and strtod hexadecimal "0x1p-10"), no hexadecimal, infinity or NaN spelling.
+bool plain_number(const std::string& v) {
+  if (v.empty() ||
+      !(std::isdigit(static_cast<unsigned char>(v[0])) || v[0] == '-' || v[0] == '.')) {
+    return false;
+  }
+  for (char c : v) {
+    if (!(std::isdigit(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == 'e' ||
+          c == 'E' || c == '+')) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // A whole decimal integer in [min, max]; anything else (overflow included: strtoll would clamp
 // it) is refused with the range.
 int64_t to_int(const std::string& flag, const std::string& v, int64_t min, int64_t max) {
   errno = 0;
   char* end = nullptr;
   const long long n = std::strtoll(v.c_str(), &end, 10);
-  TORCH_CHECK(!v.empty() && *end == '\0' && errno == 0 && n >= min && n <= max,
+  TORCH_CHECK(plain_number(v) && *end == '\0' && errno == 0 && n >= min && n <= max,
               "apex-train: ", flag, " expects an integer in [", min, ", ", max, "], got '", v, "'");
   return n;
 }
@@ -34,7 +51,7 @@ int64_t to_int(const std::string& flag, const std::string& v, int64_t min, int64
 double to_double(const std::string& flag, const std::string& v, double min, double max = 1e30) {
   char* end = nullptr;
   const double d = std::strtod(v.c_str(), &end);
-  TORCH_CHECK(!v.empty() && *end == '\0' && d >= min && d <= max && std::isfinite(d),
+  TORCH_CHECK(plain_number(v) && *end == '\0' && d >= min && d <= max && std::isfinite(d),
               "apex-train: ", flag, " expects a number in [", min, ", ", max, "], got '", v, "'");
   return d;
 }

@@ -547,6 +547,11 @@ void check_outputs(const TrainOptions& o) {
     TORCH_CHECK(fs::is_directory(o.checkpoint, ec), "apex-train: --checkpoint ", o.checkpoint,
                 " is not a folder");
     apex::check_writable((fs::path(o.checkpoint) / "latest").string(), "apex-train: --checkpoint");
+    // A new run would replace the checkpoint there at its first save, without a word.
+    TORCH_CHECK(o.resume || !fs::exists(fs::path(o.checkpoint) / "latest", ec),
+                "apex-train: --checkpoint ", o.checkpoint,
+                " already holds a run's checkpoint; pass --resume to continue it, or another "
+                "folder (or remove that one) to start a new run");
   }
 }
 
@@ -616,6 +621,8 @@ Summary train(const TrainOptions& o, const Split& data) {
   int64_t start = 0;
   std::string run_id = new_run_id();
   if (o.resume) start = load_checkpoint(o, world, *model, *optimizer, ampp, run_id);
+  TORCH_CHECK(o.stop_after == 0 || o.stop_after > start, "apex-train: --stop-after ", o.stop_after,
+              " is not after the resumed checkpoint's step ", start);
   // After initialize (DDP reduces the gradients of the parameters as amp cast them).
   using Ddp = apex::parallel::DistributedDataParallel<std::shared_ptr<Classifier>>;
   std::optional<Ddp> ddp;
@@ -643,10 +650,12 @@ Summary train(const TrainOptions& o, const Split& data) {
     // the checkpoint, and the interrupted run's summary), so the file reads as one run.
     const std::string kept = o.resume ? metrics_up_to(o.metrics, start) : std::string();
     apex::check_writable(o.metrics, "apex-train: --metrics");
-    metrics = std::fopen(o.metrics.c_str(), "w");
+    // The kept records replace the file in one step (a kill while rewriting them in place would
+    // lose the history), then this run appends.
+    apex::write_file_atomic(o.metrics, kept);
+    metrics = std::fopen(o.metrics.c_str(), "a");
     TORCH_CHECK(metrics != nullptr, "apex-train: cannot write --metrics ", o.metrics, ": ",
                 std::strerror(errno));
-    write_metrics(metrics, kept, o.metrics);
   }
   Progress progress(o.opt_level, start, total, o.progress && rank == 0);
   const auto t0 = Clock::now();
