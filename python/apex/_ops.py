@@ -2,10 +2,11 @@
 
 The op library ``_apex_cpp.so`` is built from the same C++ kernel layer as the C++ library,
 against LibTorch's regular C++ API: it serves the torch it was built for. Under another torch
-(2.10 or later) the package loads ``_apex_cpp_stable.so`` instead, the multi-tensor ops on
-LibTorch's stable ABI (namespace ``apex_cpp_stable``, the same schemas), and says what it lacks.
-Every op gets a fake (meta) implementation so that ``torch.compile`` and ``torch.export`` trace
-through it (the norms' autograd is registered in C++).
+(2.10 or later) the package loads ``_apex_cpp_stable.so`` instead: the multi-tensor ops, the
+norms' forward and backward and SyncBatchNorm's pieces on LibTorch's stable ABI (namespace
+``apex_cpp_stable``, the same schemas), and says what it lacks. Every op gets a fake (meta)
+implementation so that ``torch.compile`` and ``torch.export`` trace through it (the norms'
+autograd is registered in C++, or in Python on the stable library: apex._stable_norms).
 """
 import os
 
@@ -30,12 +31,11 @@ def _torch_at_least(major, minor):
 
 class _StableOps:
     """The ops of _apex_cpp_stable.so (LibTorch's stable ABI: the multi-tensor ops, the norms'
-    forward and backward, SyncBatchNorm's pieces and cpu_isa, on CPU tensors) under apex_cpp's names, and what the rest of the package asks of the others:
-    the CPU half-precision route is unavailable, the norms' autograd is Python's
-    (apex._stable_norms), update_scale_hysteresis is the regular op's tensor code in Python, and
-    the rest (CUDA kernels, the bench helper) say to reinstall."""
-
-    _ns = None
+    forward and backward, SyncBatchNorm's pieces and cpu_isa, on CPU tensors) under apex_cpp's
+    names, and what the rest of the package asks of the others: the CPU half-precision route is
+    unavailable, the norms' autograd is Python's (apex._stable_norms), update_scale_hysteresis is
+    the regular op's tensor code in Python, and the rest (CUDA kernels, the bench helper) say to
+    reinstall."""
 
     def cpu_half_fallback_available(self):
         return False

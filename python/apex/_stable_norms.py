@@ -19,8 +19,8 @@ def _compute_dtype(*tensors):
     return torch.float64 if f64 else torch.float32
 
 
-_DTYPE_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half",
-                torch.bfloat16: "BFloat16"}
+def _who(rms):
+    return "FusedRMSNorm" if rms else "FusedLayerNorm"
 
 
 def _check(who, input, shape, weight, bias, eps, mixed=False):
@@ -74,8 +74,7 @@ def _kernel(*tensors):
 def fwd(input, shape, weight, bias, eps, rms, mixed, memory_efficient):
     """fused_norm_fwd: (y, mean, rstd)."""
     if _kernel(input, weight, bias):
-        return _fwd_op(input, list(shape), weight, bias, float(eps), rms, mixed,
-                                       memory_efficient)
+        return _fwd_op(input, list(shape), weight, bias, float(eps), rms, mixed, memory_efficient)
     return torch_fwd(input, shape, weight, bias, eps, rms, mixed, memory_efficient)
 
 
@@ -84,9 +83,8 @@ def bwd(grad_out, saved, mean, rstd, weight, bias, shape, eps, rms, mixed, memor
     """fused_norm_bwd: (dx, dw, db), empty where not wanted."""
     if (_kernel(grad_out, saved, weight, bias) and rstd.dtype == torch.float32
             and input_dtype != torch.float64):
-        return _bwd_op(grad_out, saved, mean, rstd, weight, bias, list(shape),
-                                       float(eps), rms, mixed, memory_efficient, input_dtype,
-                                       [bool(m) for m in output_mask])
+        return _bwd_op(grad_out, saved, mean, rstd, weight, bias, list(shape), float(eps), rms,
+                       mixed, memory_efficient, input_dtype, [bool(m) for m in output_mask])
     return torch_bwd(grad_out, saved, mean, rstd, weight, bias, shape, eps, rms, mixed,
                      memory_efficient, input_dtype, output_mask)
 
@@ -94,7 +92,7 @@ def bwd(grad_out, saved, mean, rstd, weight, bias, shape, eps, rms, mixed, memor
 def torch_fwd(input, shape, weight, bias, eps, rms, mixed, memory_efficient):
     """(y, mean, rstd) on torch's ops: mean is empty for RMSNorm; statistics per row in the compute
     dtype."""
-    _check("FusedRMSNorm" if rms else "FusedLayerNorm", input, shape, weight, bias, eps, mixed)
+    _check(_who(rms), input, shape, weight, bias, eps, mixed)
     ct = _compute_dtype(input, weight, bias)
     rows, cols = _rows_cols(input, shape)
     x = input.to(ct).reshape(rows, cols)
@@ -176,8 +174,8 @@ class _Norm(torch.autograd.Function):
             sources = [t for t in (grad_out, saved, weight, bias)
                        if t is not None and t.requires_grad]
             if sources:
-                dx, dw, db = _NoDoubleBackward.apply("FusedRMSNorm" if rms else "FusedLayerNorm",
-                                                     len(sources), *sources, dx, dw, db)
+                dx, dw, db = _NoDoubleBackward.apply(_who(rms), len(sources), *sources, dx, dw,
+                                                     db)
         return (dx if mask[0] else None, dw if mask[1] else None, db if mask[2] else None,
                 None, None, None, None, None)
 

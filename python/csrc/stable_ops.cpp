@@ -1,10 +1,11 @@
 // The Python package's second op library, on LibTorch's stable ABI: the multi-tensor ops of
-// apex.optimizers and amp_C (namespace apex_cpp_stable, the same schemas as apex_cpp's) over the
-// same CPU kernels, compiled with TORCH_TARGET_VERSION 2.10, so that one build loads into every
-// torch from 2.10 on. python/apex/_ops.py uses it when _apex_cpp.so (regular ABI, every op) was
-// built for another torch. It holds no ATen code: tensors are checked through the stable
-// accessors, scalars live on the host (CPU tensors only), the kernels' thread pool is
-// torch::stable::parallel_for (kernels/cpu/parallel.h).
+// apex.optimizers and amp_C, the norms' forward and backward and SyncBatchNorm's CPU pieces
+// (namespace apex_cpp_stable, the same schemas as apex_cpp's) over the same CPU kernels, compiled
+// with TORCH_TARGET_VERSION 2.10, so that one build loads into every torch from 2.10 on.
+// python/apex/_ops.py uses it when _apex_cpp.so (regular ABI, every op) was built for another
+// torch. It holds no ATen code: tensors are checked through the stable accessors, scalars live on
+// the host (CPU tensors only), the kernels' thread pool is torch::stable::parallel_for
+// (kernels/cpu/parallel.h).
 //
 // The messages are the regular op library's (src/bridge), so a test can compare both.
 #include <torch/csrc/stable/library.h>
@@ -17,7 +18,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <numeric>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -117,7 +117,6 @@ kernels::DType kernel_dtype(ScalarType t, const char* who) {
     default:
       fail(who, ": expected float32, float16 or bfloat16 tensors, got ", dtype_name(t));
   }
-  return kernels::DType::kFloat32;
 }
 
 // Non-overlapping and dense: some order of the dimensions makes the strides those of a
@@ -804,22 +803,26 @@ STABLE_TORCH_LIBRARY(apex_cpp_stable, m) {
   m.def("cpu_isa() -> str");
 }
 
+namespace {
 // Every op's kernel, for the CPU key and for the CUDA key: CUDA tensors reach the same functions,
 // whose checks say that this library has CPU kernels only (rather than the dispatcher's "could
 // not run ... with arguments from the 'CUDA' backend").
-#define APEX_PY_IMPL(name, schema) m.impl(#name, TORCH_BOX(&apex::python::stable::name));
-#define APEX_STABLE_IMPLS(m)                                                      \
-  APEX_PY_MULTI_TENSOR_OPS(APEX_PY_IMPL)                                          \
-  m.impl("fused_norm_fwd", TORCH_BOX(&apex::python::stable::fused_norm_fwd));     \
-  m.impl("fused_norm_bwd", TORCH_BOX(&apex::python::stable::fused_norm_bwd));     \
-  m.impl("batch_norm_stats", TORCH_BOX(&apex::python::stable::batch_norm_stats)); \
-  m.impl("batch_norm_elemt", TORCH_BOX(&apex::python::stable::batch_norm_elemt)); \
-  m.impl("batch_norm_backward_reduce",                                            \
-         TORCH_BOX(&apex::python::stable::batch_norm_backward_reduce));           \
-  m.impl("batch_norm_backward_elemt", TORCH_BOX(&apex::python::stable::batch_norm_backward_elemt));
+void register_kernels(torch::stable::detail::StableLibrary& m) {
+  using namespace apex::python::stable;
+#define APEX_PY_IMPL(name, schema) m.impl(#name, TORCH_BOX(&name));
+  APEX_PY_MULTI_TENSOR_OPS(APEX_PY_IMPL)
+#undef APEX_PY_IMPL
+  m.impl("fused_norm_fwd", TORCH_BOX(&fused_norm_fwd));
+  m.impl("fused_norm_bwd", TORCH_BOX(&fused_norm_bwd));
+  m.impl("batch_norm_stats", TORCH_BOX(&batch_norm_stats));
+  m.impl("batch_norm_elemt", TORCH_BOX(&batch_norm_elemt));
+  m.impl("batch_norm_backward_reduce", TORCH_BOX(&batch_norm_backward_reduce));
+  m.impl("batch_norm_backward_elemt", TORCH_BOX(&batch_norm_backward_elemt));
+}
+}  // namespace
 
-STABLE_TORCH_LIBRARY_IMPL(apex_cpp_stable, CPU, m){
-    APEX_STABLE_IMPLS(m)} STABLE_TORCH_LIBRARY_IMPL(apex_cpp_stable, CUDA, m){APEX_STABLE_IMPLS(m)}
+STABLE_TORCH_LIBRARY_IMPL(apex_cpp_stable, CPU, m) { register_kernels(m); }
+STABLE_TORCH_LIBRARY_IMPL(apex_cpp_stable, CUDA, m) { register_kernels(m); }
 
 // No tensor arguments: a kernel for every dispatch key.
 STABLE_TORCH_LIBRARY_IMPL(apex_cpp_stable, CompositeExplicitAutograd, m) {
