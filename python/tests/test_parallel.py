@@ -155,6 +155,47 @@ def test_ddp_equals_one_process_on_the_whole_batch(options):
             torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
 
 
+def _amp_ddp_rank(rank, world, bucket_view):
+    """apex.amp (dynamic scale: the stashing path) under DDP, two scale_loss scopes per step,
+    gradients cleared to None and, in the last step, zeroed in place (bucket views kept)."""
+    from apex import amp
+    from apex.parallel import DistributedDataParallel
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(12, 8, generator=g) for _ in range(6)]
+    ys = [torch.randn(12, 2, generator=g) for _ in range(6)]
+    torch.manual_seed(5)
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = amp.initialize(net, opt, opt_level="O1", loss_scale="dynamic", verbosity=0)
+    model = DistributedDataParallel(net, gradient_as_bucket_view=bucket_view) if world else net
+    per = 12 // max(world, 1)
+    rows = slice(rank * per, (rank + 1) * per) if world else slice(None)
+    views = 0
+    for step in range(3):
+        opt.zero_grad(set_to_none=step < 2)
+        for k in range(2):
+            i = 2 * step + k
+            loss = torch.nn.functional.mse_loss(model(xs[i][rows]), ys[i][rows])
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            views += int(net[0].weight.grad._is_view())
+        opt.step()
+    return dict(params=[p.detach().clone() for p in net.parameters()], views=views)
+
+
+def test_amp_ddp_gradient_as_bucket_view_accumulates_as_without():
+    """A stash that aliased DDP's bucket was overwritten by the next backward's gradient."""
+    viewed = run(2, _amp_ddp_rank, True)
+    plain = run(2, _amp_ddp_rank, False)
+    assert all(r["views"] > 0 for r in viewed)  # the case under test was reached
+    for v, p in zip(viewed, plain):
+        for a, b in zip(v["params"], p["params"]):
+            assert torch.equal(a, b)
+    whole = _amp_ddp_rank(0, 0, False)  # one process on the whole batch (bf16 autocast)
+    for a, b in zip(plain[0]["params"], whole["params"]):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
 def _convert_rank(rank, world):
     from apex.parallel import SyncBatchNorm, convert_syncbn_model
     torch.manual_seed(0)

@@ -195,23 +195,19 @@ void AmpState::prepare_backward(size_t target, int64_t loss_id) {
                 e.pending_loss_id, ", got ", loss_id);
     return;
   }
-  // Checked before anything moves: a gradient that is a view into DDP's bucket
-  // (gradient_as_bucket_view) does not survive the stash (the Reducer writes the next backward's
-  // gradient into that bucket and re-points .grad at it; amp + DDP with it did not train as
-  // without DDP), so it is refused rather than trained wrong.
-  for (const auto& s : e.slots) {
-    TORCH_CHECK(!s.model.grad().defined() || !s.model.grad().is_view(),
-                "Amp::scale_loss: a parameter's gradient (shape ", s.model.sizes(),
-                ") is a view, as DistributedDataParallel's gradient_as_bucket_view makes them; amp "
-                "with a loss scale other than a static 1 does not support it: construct the DDP "
-                "without gradient_as_bucket_view");
-  }
   for (auto& s : e.slots) {
     if (s.copy) {
       s.model.mutable_grad() = at::Tensor();  // already folded into the master gradient
     } else {
-      s.stash = std::move(s.model.mutable_grad());
-      s.model.mutable_grad() = at::Tensor();
+      // A gradient that shares its storage (a view into DistributedDataParallel's bucket under
+      // gradient_as_bucket_view, or its detached alias after zero_grad(false)) is stashed as a
+      // copy: the Reducer writes this backward's gradient into that bucket, which would
+      // overwrite a stash that aliases it.
+      at::Tensor& g = s.model.mutable_grad();
+      const bool shared = g.defined() && !g.is_sparse() && g.has_storage() &&
+                          (g.is_view() || g.storage().use_count() > 1);
+      s.stash = shared ? g.clone() : std::move(g);
+      g = at::Tensor();
     }
   }
 }

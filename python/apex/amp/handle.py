@@ -26,12 +26,23 @@ def _grad_lists(optimizer):
     return params, params
 
 
+def _own(grad):
+    """A gradient that shares its storage (a view into DistributedDataParallel's bucket under
+    gradient_as_bucket_view) is stashed as a copy: the Reducer writes the next backward's gradient
+    into that bucket, which would overwrite a stash that aliases it."""
+    if grad is None or grad.is_sparse:
+        return grad
+    if grad._is_view() or grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
+        return grad.clone()
+    return grad
+
+
 def _prepare_backward(optimizer):
     """Gradients already there (accumulated by earlier scopes) are stashed, so that this scope's
     backward writes fresh scaled gradients, which are unscaled and added to them on exit."""
     stash = optimizer._amp_stash
     model_params, master_params = _grad_lists(optimizer)
-    stash.stashed = [m.grad for m in master_params]
+    stash.stashed = [_own(m.grad) for m in master_params]
     for p in model_params:
         p.grad = None
     if stash.master_weights:
