@@ -195,10 +195,8 @@ void ProcessGroup::destroy() {
   c10::intrusive_ptr<c10d::Store> store;
   {
     const std::lock_guard<std::mutex> lock(state_mutex());
-    group = std::move(state_->group);
+    group = std::move(state_->group);  // leaves the state's pointers null
     store = std::move(state_->store);
-    state_->group.reset();
-    state_->store.reset();
   }
   // Released outside the lock (a last reference tears Gloo's connections down).
 }
