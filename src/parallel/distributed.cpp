@@ -200,14 +200,33 @@ DdpEngine::DdpEngine(torch::nn::Module& module, ProcessGroup group,
   for (const auto& b : module.buffers()) s.buffers.push_back(b);
 
   if (o.init_sync() && group_.size() > 1) {
+    // Buffers too: broadcast_coalesced flattens them with the parameters, so a buffer of
+    // another size would fail the broadcast after earlier pieces were written, or (sizes
+    // swapped between two buffers) fill them with the wrong values silently.
+    std::vector<at::Tensor> all = s.params;
+    all.insert(all.end(), frozen.begin(), frozen.end());
+    all.insert(all.end(), s.buffers.begin(), s.buffers.end());
+    std::string mismatch;
     try {
-      std::vector<at::Tensor> all = s.params;
-      all.insert(all.end(), frozen.begin(), frozen.end());
       c10d::verify_params_across_processes(s.pg, all, std::nullopt);
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, kWho, ": the ranks hold different models (rank ", group_.rank(),
-                  "): ", message_of(e));
+      mismatch = message_of(e);
     }
+    // The check compares rank 0's shapes on the other ranks: every rank (rank 0 too) learns
+    // here which one found a mismatch, rather than from a broadcast into a peer that has left.
+    at::Tensor found = at::full({1}, mismatch.empty() ? 0 : group_.rank() + 1,
+                                at::TensorOptions().dtype(at::kLong).device(group_.device()));
+    try {
+      group_.all_reduce_max_(found);
+    } catch (const std::exception& e) {
+      if (mismatch.empty()) mismatch = message_of(e);
+    }
+    const int64_t finder = found.item<int64_t>() - 1;
+    TORCH_CHECK(
+        mismatch.empty() && finder < 0, kWho, ": the ranks hold different models (rank ",
+        mismatch.empty() ? finder : group_.rank(),
+        "): ", mismatch.empty() ? "its parameter or buffer shapes differ from rank 0's" : mismatch);
+
     std::vector<at::Tensor> state = s.params;
     state.insert(state.end(), frozen.begin(), frozen.end());
     state.insert(state.end(), s.buffers.begin(), s.buffers.end());

@@ -383,6 +383,29 @@ int fault(int rank, int world, const std::string& arg) {
         },
         "the ranks hold different models");
   }
+  if (arg == "diff_buffers") {
+    // The same parameters, a buffer of another size on rank 1: refused before anything is
+    // broadcast, so rank 1's parameters stay its own.
+    torch::manual_seed(static_cast<uint64_t>(rank) + 1);
+    auto net = mlp();
+    net->register_buffer("extra", torch::zeros({rank == 0 ? 3 : 5}));
+    std::vector<at::Tensor> before;
+    for (const auto& p : net->parameters()) before.push_back(p.detach().clone());
+    const int rc = expect_error(
+        [&] {
+          ap::DistributedDataParallel<torch::nn::Sequential> ddp(
+              net, ap::DistributedDataParallelOptions(), pg);
+        },
+        "the ranks hold different models");
+    const auto after = net->parameters();
+    for (size_t i = 0; i < before.size(); ++i) {
+      if (!torch::equal(before[i], after[i])) {
+        std::fprintf(stderr, "rank %d: parameter %zu changed by a refused construction\n", rank, i);
+        return 1;
+      }
+    }
+    return rc;
+  }
   torch::manual_seed(1);
   auto net = mlp();
   ap::DistributedDataParallel<torch::nn::Sequential> ddp(net, ap::DistributedDataParallelOptions(),
@@ -474,6 +497,15 @@ TEST(DdpFaults, DifferentModelsAreRefused) {
   const auto r = launch("fault", o);
   EXPECT_TRUE(all_ranks_passed(r));
   EXPECT_NE(r[0].output.find("rank 1"), std::string::npos) << apex::test::describe(r);
+}
+TEST(DdpFaults, DifferentBuffersAreRefusedBeforeAnyBroadcast) {
+  LaunchOptions o;
+  o.arg = "diff_buffers";
+  const auto r = launch("fault", o);
+  EXPECT_TRUE(all_ranks_passed(r));
+  // Rank 0 passed the shape check itself; it names the rank that did not.
+  EXPECT_NE(r[0].output.find("different models (rank 1)"), std::string::npos)
+      << apex::test::describe(r);
 }
 TEST(DdpFaults, SkippedBackwardFailsBothRanks) {
   LaunchOptions o;
