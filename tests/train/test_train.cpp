@@ -64,6 +64,13 @@ TEST(TrainCli, DefaultsAndFlags) {
   EXPECT_EQ(c.train.opt_level, "O2");
   EXPECT_EQ(c.train.half_dtype, c10::kHalf);
   EXPECT_EQ(c.train.loss_scale, "128");
+  // One spelling per value: the checkpoint's signature compares it as text.
+  for (const char* same : {"8", "8.0", "8e0", "0008", "8.000"}) {
+    EXPECT_EQ(parse_cli({"--opt-level", "O1", "--loss-scale", same}).train.loss_scale, "8");
+  }
+  EXPECT_EQ(parse_cli({"--opt-level", "O1", "--loss-scale", "0.1"}).train.loss_scale, "0.1");
+  EXPECT_EQ(parse_cli({"--opt-level", "O1", "--loss-scale", "dynamic"}).train.loss_scale,
+            "dynamic");
   EXPECT_EQ(c.train.optimizer, "fused-lamb");
   EXPECT_EQ(c.train.batch_size, 16);
   EXPECT_EQ(c.train.accumulate, 2);
@@ -536,12 +543,15 @@ TEST_F(TrainFiles, CheckpointsResumeOnAnotherWorldSize) {
   const Proc b = run(common + "--resume --resume-with-changes --checkpoint " + path("two"));
   ASSERT_EQ(b.status, 0) << b.out;
   EXPECT_EQ(read_text(path("two") + "/latest"), "step-8\n");
+  EXPECT_EQ(b.out.find("execution settings"), std::string::npos) << b.out;
   const Proc c = run(common + "--stop-after 4 --checkpoint " + path("one"));
   ASSERT_EQ(c.status, 0) << c.out;
-  const Proc d =
-      run(common + "--nproc 2 --resume --resume-with-changes --checkpoint " + path("one"));
+  // Another thread count changes no setting, but the resume says it is not bit-identical.
+  const Proc d = run(common + "--nproc 2 --resume --resume-with-changes --threads 2 --checkpoint " +
+                     path("one"));
   ASSERT_EQ(d.status, 0) << d.out;
   EXPECT_EQ(read_text(path("one") + "/latest"), "step-8\n");
+  EXPECT_NE(d.out.find("other execution settings (threads 1 -> 2)"), std::string::npos) << d.out;
 }
 
 // The data-parallel shards: disjoint across ranks, every sample once per epoch, reshuffled per

@@ -56,6 +56,16 @@ double to_double(const std::string& flag, const std::string& v, double min, doub
   return d;
 }
 
+// The shortest "%.Ng" spelling of `d` that reads back as `d`.
+std::string shortest_decimal(double d) {
+  char buf[32];
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, d);
+    if (std::strtod(buf, nullptr) == d) break;
+  }
+  return buf;
+}
+
 // Upper bounds of the integer flags: far above any run this tool makes, low enough that no
 // product of them (steps x batch x accumulation x ranks) overflows 64 bits and that a size is
 // refused here, not by the allocator.
@@ -260,8 +270,8 @@ Cli parse_cli(const std::vector<std::string>& args) {
       o.half_dtype = one_of(flag, v, {"bf16", "fp16"}) == "bf16" ? c10::kBFloat16 : c10::kHalf;
       half_set = true;
     } else if (flag == "--loss-scale") {
-      if (v != "dynamic") to_double(flag, v, 1e-30);
-      o.loss_scale = v;
+      // One spelling per value ("8", "8.0" and "8e0" alike): the checkpoint signature holds it.
+      o.loss_scale = v == "dynamic" ? v : shortest_decimal(to_double(flag, v, 1e-30));
     } else if (flag == "--optimizer") {
       o.optimizer = one_of(flag, v, kOptimizers);
     } else if (flag == "--batch-size") {

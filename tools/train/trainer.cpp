@@ -136,6 +136,14 @@ std::vector<std::pair<std::string, std::string>> run_settings(const TrainOptions
           {"sync_bn", o.sync_bn ? "true" : "false"}};
 }
 
+// How a run was executed: neither changes what it trains, but a resume under other values
+// continues it less than bit-identically (the intra-op threads split reductions, the device
+// computes differently), which the resume says. Absent from older checkpoints.
+std::vector<std::pair<std::string, std::string>> execution_settings(const TrainOptions& o) {
+  return {{"device", json::quote(c10::DeviceTypeName(o.device.type(), /*lower_case=*/true))},
+          {"threads", std::to_string(at::get_num_threads())}};
+}
+
 constexpr int64_t kCheckpointFormat = 2;
 const char* const kManifest = "manifest.json";
 
@@ -186,6 +194,7 @@ void save_checkpoint(const TrainOptions& o, int64_t world, int64_t step, const s
                        ", \"step\": " + std::to_string(step) + ", \"run\": " + json::quote(run) +
                        ", \"signature\": " + json::quote(signature(o, model));
     for (const auto& [key, value] : run_settings(o, world)) meta += ", \"" + key + "\": " + value;
+    for (const auto& [key, value] : execution_settings(o)) meta += ", \"" + key + "\": " + value;
     meta += "}\n";
     apex::write_file_atomic((tmp / "meta.json").string(), meta);
     files.push_back("meta.json");
@@ -355,23 +364,36 @@ int64_t load_checkpoint(const TrainOptions& o, int64_t world, torch::nn::Module&
   TORCH_CHECK(ck.has_amp == (amp != nullptr), who, ck.folder.string(),
               ck.has_amp ? " holds an amp state this run has no use for"
                          : " has no amp state, which this run needs");
-  std::string changed;
-  for (const auto& [key, value] : run_settings(o, world)) {
-    auto it = ck.meta.find(key);
-    TORCH_CHECK(it != ck.meta.end(), who, meta_path, ": \"", key, "\" is missing");
-    const std::string stored = it->second.kind == json::Field::Kind::kString
-                                   ? json::quote(it->second.text)
-                                   : it->second.text;
-    if (stored != value) {
-      changed += (changed.empty() ? "" : ", ") + key + " " + stored + " -> " + value;
+  // "key old -> new, ..." for the settings that differ; a missing key is an error when
+  // `required`, else (a setting older checkpoints lack) not compared.
+  const auto differences = [&](const std::vector<std::pair<std::string, std::string>>& settings,
+                               bool required) {
+    std::string out;
+    for (const auto& [key, value] : settings) {
+      auto it = ck.meta.find(key);
+      TORCH_CHECK(it != ck.meta.end() || !required, who, meta_path, ": \"", key, "\" is missing");
+      if (it == ck.meta.end()) continue;
+      const std::string stored = it->second.kind == json::Field::Kind::kString
+                                     ? json::quote(it->second.text)
+                                     : it->second.text;
+      if (stored != value) out += (out.empty() ? "" : ", ") + key + " " + stored + " -> " + value;
     }
-  }
+    return out;
+  };
+  const std::string changed = differences(run_settings(o, world), true);
   TORCH_CHECK(changed.empty() || o.resume_with_changes, who, "this run's settings differ from ",
               ck.folder.string(), "'s (", changed,
               "); resuming would train something else than the run. Pass "
               "--resume-with-changes to continue with the new settings deliberately");
   if (!changed.empty()) {
     std::fprintf(stderr, "apex-train: resuming with changed settings: %s\n", changed.c_str());
+  }
+  const std::string executed = differences(execution_settings(o), false);
+  if (!executed.empty()) {
+    std::fprintf(stderr,
+                 "apex-train: resuming under other execution settings (%s): the run continues, "
+                 "but not bit-identically to one left uninterrupted\n",
+                 executed.c_str());
   }
   apex::load_module(model, (ck.folder / "model.pt").string());
   apex::load_optimizer(optimizer, (ck.folder / "optimizer.pt").string());
