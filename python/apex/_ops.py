@@ -37,7 +37,7 @@ class _StableOps:
     the regular op's tensor code in Python, and the rest (CUDA kernels, the bench helper) say to
     reinstall."""
 
-    def cpu_half_fallback_available(self):
+    def cpu_half_fallback_available(self, dtype=None):
         return False
 
     def cpu_half_fallback_active(self):

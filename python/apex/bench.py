@@ -187,7 +187,7 @@ def bench_amp(repeats, warmup, rows):
     finally:
         amp._amp_state.__dict__.clear()
         amp._amp_state.__dict__.update(saved_state)
-    route = "fp32 route" if amp.cpu_half_fallback_available() else "torch's half path"
+    route = "fp32 route" if amp.cpu_half_fallback_available(torch.bfloat16) else "torch's half path"
     for level in ("O1", "O2"):
         rows.append(dict(area="amp", model="mlp 4096x256", case=f"{level} step vs O0 ({route})",
                          ours_ms=times[level] * 1e3, peer_ms=times["O0"] * 1e3,

@@ -592,7 +592,11 @@ void cpu_half_fallback_exit() {
 }
 
 bool cpu_half_fallback_active() { return apex::amp::cpu_half_fallback_active(); }
-bool cpu_half_fallback_available() { return apex::amp::cpu_half_fallback_available(); }
+// For one dtype (Half or BFloat16), or for either.
+bool cpu_half_fallback_available(std::optional<c10::ScalarType> dtype) {
+  return dtype ? apex::amp::cpu_half_fallback_available(*dtype)
+               : apex::amp::cpu_half_fallback_available();
+}
 
 // Tests: -1 decides from the CPU and the environment again, 0/1 forces.
 void cpu_half_fallback_force(int64_t forced) {
@@ -635,7 +639,8 @@ TORCH_LIBRARY(apex_cpp, m) {
   m.def("cpu_half_fallback_enter() -> bool", &cpu_half_fallback_enter);
   m.def("cpu_half_fallback_exit() -> ()", &cpu_half_fallback_exit);
   m.def("cpu_half_fallback_active() -> bool", &cpu_half_fallback_active);
-  m.def("cpu_half_fallback_available() -> bool", &cpu_half_fallback_available);
+  m.def("cpu_half_fallback_available(ScalarType? dtype=None) -> bool",
+        &cpu_half_fallback_available);
   m.def("cpu_half_fallback_prepare() -> ()", &apex::amp::prepare_cpu_half_fallback);
   m.def("_cpu_half_fallback_force(int forced) -> ()", &cpu_half_fallback_force);
   m.def("bench_scale_calls(Tensor(a!) noop_flag, Tensor[] x, Tensor(b!)[] y, int n) -> float",

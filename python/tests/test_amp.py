@@ -205,6 +205,19 @@ def forced_fallback():
 
 
 @pytest.mark.regular_ops
+def test_cpu_half_fallback_decided_per_dtype(forced_fallback):
+    """Each half dtype has its own decision (forced on here: both); either one makes the scope
+    available; other dtypes are refused with the one expected."""
+    assert amp.cpu_half_fallback_available(torch.bfloat16)
+    assert amp.cpu_half_fallback_available(torch.float16)
+    torch.ops.apex_cpp._cpu_half_fallback_force(-1)
+    per = [amp.cpu_half_fallback_available(t) for t in (torch.bfloat16, torch.float16)]
+    assert amp.cpu_half_fallback_available() == any(per)
+    with pytest.raises(ValueError, match="expected torch.bfloat16 or torch.float16, got torch.float32"):
+        amp.cpu_half_fallback_available(torch.float32)
+
+
+@pytest.mark.regular_ops
 def test_cpu_half_fallback_scope(forced_fallback):
     """On in its thread while open (nested, through exceptions), off outside and in other
     threads; the covered ops give torch's fp32 result on the widened inputs, rounded once."""

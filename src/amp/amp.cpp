@@ -431,7 +431,7 @@ void warn_if_half_matmuls_are_slow(const detail::AmpState& st) {
   }
   if (!on_cpu) return;
   const c10::ScalarType t = cast ? *p.cast_model_type : p.half_dtype;
-  if (!cpu_half_matmul_is_fast(t) && !cpu_half_fallback_available()) {
+  if (!cpu_half_matmul_is_fast(t) && !cpu_half_fallback_available(t)) {
     TORCH_WARN("apex::amp: ", to_string(p.opt_level), " computes matmuls in ", t,
                ", which LibTorch multiplies in a scalar loop on this CPU (it has fast ones only "
                "with AVX-512, AVX512-BF16, AVX512-FP16 or AMX), and APEX_CPU_HALF_FALLBACK=0 "

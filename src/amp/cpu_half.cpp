@@ -32,13 +32,15 @@ namespace {
 thread_local int active_depth = 0;
 std::atomic<int> forced{-1};  // -1: decide; 0/1: tests' choice
 
-bool decide() {
+// Per dtype: a CPU can be fast in one and slow in the other (AVX512-BF16 without AVX512-FP16, as
+// AMD Zen 4/5 and Intel before Sapphire Rapids: bf16 through oneDNN, fp16 in a scalar loop).
+bool decide(at::ScalarType dtype) {
   // "0" turns it off, "1" on even where LibTorch's half path is fast (to compare or profile it
   // there); anything else: decided from the CPU.
   const char* env = std::getenv("APEX_CPU_HALF_FALLBACK");
   if (env != nullptr && std::strcmp(env, "0") == 0) return false;
   if (env != nullptr && std::strcmp(env, "1") == 0) return true;
-  return !cpu_half_matmul_is_fast(at::kBFloat16);
+  return !cpu_half_matmul_is_fast(dtype);
 }
 
 bool is_half(const at::Tensor& t) {
@@ -55,7 +57,7 @@ bool take(std::initializer_list<const at::Tensor*> ts) {
     if (dtype && *dtype != t->scalar_type()) return false;
     dtype = t->scalar_type();
   }
-  return dtype.has_value();
+  return dtype.has_value() && cpu_half_fallback_available(*dtype);
 }
 
 at::Tensor wide(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : t; }
@@ -235,11 +237,18 @@ void register_kernels() {
 
 }  // namespace
 
-bool cpu_half_fallback_available() {
+bool cpu_half_fallback_available(c10::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf,
+              "apex::amp::cpu_half_fallback_available: expected Half or BFloat16, got ", dtype);
   const int f = forced.load();
   if (f >= 0) return f == 1;
-  static const bool available = decide();
-  return available;
+  static const bool bf16 = decide(at::kBFloat16);
+  static const bool fp16 = decide(at::kHalf);
+  return dtype == at::kBFloat16 ? bf16 : fp16;
+}
+
+bool cpu_half_fallback_available() {
+  return cpu_half_fallback_available(at::kBFloat16) || cpu_half_fallback_available(at::kHalf);
 }
 
 bool cpu_half_fallback_active() { return active_depth > 0; }

@@ -359,24 +359,30 @@ TEST(AmpCpu, HalfMatmulDecisionFollowsCpuFlags) {
   const bool bf16_fast =
       onednn && (s.avx512_core || has("avx512_bf16") || has("amx_bf16") || has("avx_ne_convert"));
   EXPECT_EQ(apex::amp::cpu_half_matmul_is_fast(at::kBFloat16), bf16_fast);
+  const bool fp16_fast = onednn && (s.avx512_fp16 || has("amx_fp16") || has("avx_ne_convert"));
+  EXPECT_EQ(apex::amp::cpu_half_matmul_is_fast(at::kHalf), fp16_fast);
 
   struct Capture : c10::WarningHandler {
     std::vector<std::string> messages;
     void process(const c10::Warning& w) override { messages.push_back(w.msg()); }
   } capture;
   const c10::WarningUtils::WarningHandlerGuard guard(&capture);
-  Mlp model(16, 64, 4);
-  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
-  auto amp = apex::amp::initialize(model, opt,
-                                   Options(OptLevel::O2).half_dtype(at::kBFloat16).verbosity(1));
-  bool warned = false;
-  for (const auto& m : capture.messages) {
-    warned = warned || m.find("O2 computes matmuls in BFloat16") != std::string::npos;
-  }
-  // Warned only where nothing makes the half dtype fast: neither the CPU nor apex's fp32 route
-  // (on unless APEX_CPU_HALF_FALLBACK=0).
-  EXPECT_EQ(warned, !bf16_fast && !apex::amp::cpu_half_fallback_available());
   const char* env = std::getenv("APEX_CPU_HALF_FALLBACK");
-  EXPECT_EQ(apex::amp::cpu_half_fallback_available(),
-            !bf16_fast && (env == nullptr || std::string(env) != "0"));
+  const bool route_allowed = env == nullptr || std::string(env) != "0";
+  // Each dtype on its own: a CPU may be fast in bf16 and slow in fp16 (AVX512-BF16 without
+  // AVX512-FP16), and the fp32 route then takes fp16 alone.
+  for (const auto& [dtype, fast] : {std::pair{at::kBFloat16, bf16_fast}, {at::kHalf, fp16_fast}}) {
+    capture.messages.clear();
+    Mlp model(16, 64, 4);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    auto amp =
+        apex::amp::initialize(model, opt, Options(OptLevel::O2).half_dtype(dtype).verbosity(1));
+    bool warned = false;
+    const std::string what = std::string("O2 computes matmuls in ") + c10::toString(dtype);
+    for (const auto& m : capture.messages) warned = warned || m.find(what) != std::string::npos;
+    // Warned only where nothing makes the half dtype fast: neither the CPU nor apex's fp32 route
+    // (on unless APEX_CPU_HALF_FALLBACK=0).
+    EXPECT_EQ(apex::amp::cpu_half_fallback_available(dtype), !fast && route_allowed) << dtype;
+    EXPECT_EQ(warned, !fast && !route_allowed) << dtype;
+  }
 }

@@ -6,9 +6,12 @@
 #include <ATen/ops/gelu_backward_cpu_dispatch.h>
 #include <ATen/ops/gelu_cpu_dispatch.h>
 #include <apex/amp/cpu_half.h>
+#include <apex/amp/utils.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "amp_test_util.h"
 
@@ -149,6 +152,35 @@ TEST(CpuHalfGelu, EveryValueCorrectlyRoundedGradientsWithinOneUnit) {
       EXPECT_LE(ours_err, their_err);
     }
   }
+}
+
+// Each half dtype is decided on its own (a CPU with AVX512-BF16 but no AVX512-FP16, as AMD Zen 4
+// and 5, multiplies bf16 through oneDNN and fp16 in a scalar loop): in a scope, an op in a dtype
+// takes the route exactly where that dtype's is available. GELU tells the two apart.
+TEST(CpuHalfGelu, EachDtypeTakesTheRouteWhereItsDecisionSays) {
+  const char* env = std::getenv("APEX_CPU_HALF_FALLBACK");
+  const std::string setting = env != nullptr ? env : "";
+  const auto bits = [](const at::Tensor& t) { return t.view(at::kShort); };
+  for (const auto t : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(t));
+    const at::Tensor x = all_patterns(t);
+    const at::Tensor theirs = at::cpu::gelu(x);
+    at::Tensor route;
+    {
+      const ForceAvailable force;
+      const CpuHalfFallbackGuard on;
+      route = at::gelu(x);
+    }
+    ASSERT_FALSE(at::equal(bits(route), bits(theirs)));
+    const bool want = setting == "1" || (setting != "0" && !apex::amp::cpu_half_matmul_is_fast(t));
+    EXPECT_EQ(apex::amp::cpu_half_fallback_available(t), want);
+    const CpuHalfFallbackGuard scope;
+    EXPECT_TRUE(at::equal(bits(at::gelu(x)), bits(want ? route : theirs)));
+  }
+  EXPECT_EQ(apex::amp::cpu_half_fallback_available(),
+            apex::amp::cpu_half_fallback_available(at::kBFloat16) ||
+                apex::amp::cpu_half_fallback_available(at::kHalf));
+  EXPECT_THROW(apex::amp::cpu_half_fallback_available(at::kFloat), c10::Error);
 }
 
 TEST(CpuHalfGelu, LibTorchsKernelWhereTheRouteDoesNotApply) {

@@ -159,10 +159,14 @@ int run_half(const Config& cfg) {
   // the fp32 case page-faults fresh outputs in, and the order of the sides decides the ratios.
   mallopt(M_MMAP_MAX, 0);
   mallopt(M_TRIM_THRESHOLD, -1);
-  const bool route = apex::amp::cpu_half_fallback_available();
-  std::printf("apex-bench half: LibTorch's bf16 matmuls are %s on this CPU; the fp32 route is %s\n",
-              apex::amp::cpu_half_matmul_is_fast(at::kBFloat16) ? "fast" : "slow",
-              route ? "on in the scope" : "off (ours = LibTorch's half kernels)");
+  for (const at::ScalarType t : {at::kBFloat16, at::kHalf}) {
+    std::printf("apex-bench half: LibTorch's %s matmuls are %s on this CPU; the fp32 route %s\n",
+                t == at::kBFloat16 ? "bf16" : "fp16",
+                apex::amp::cpu_half_matmul_is_fast(t) ? "fast" : "slow",
+                apex::amp::cpu_half_fallback_available(t)
+                    ? "takes them in the scope"
+                    : "leaves them to LibTorch (ours = LibTorch's half kernels)");
+  }
   std::vector<Result> results;
   for (const Case& c : cases()) {
     if (!selected(cfg, c.name)) continue;
@@ -231,8 +235,11 @@ int run_half(const Config& cfg) {
       " half op is at least as fast as the same op in fp32)\n");
   if (!cfg.json.empty()) {
     std::ostringstream out;
-    out << "{\"area\": \"half\", \"threads\": " << at::get_num_threads()
-        << ", \"route\": " << (route ? "true" : "false") << ", \"rows\": [";
+    out << "{\"area\": \"half\", \"threads\": " << at::get_num_threads() << ", \"route_bf16\": "
+        << (apex::amp::cpu_half_fallback_available(at::kBFloat16) ? "true" : "false")
+        << ", \"route_fp16\": "
+        << (apex::amp::cpu_half_fallback_available(at::kHalf) ? "true" : "false")
+        << ", \"rows\": [";
     for (size_t i = 0; i < results.size(); ++i) {
       const auto& r = results[i];
       out << (i ? ", " : "") << "{\"case\": \"" << r.name << "\", \"dtype\": \"" << r.dtype

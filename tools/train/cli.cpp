@@ -342,7 +342,7 @@ Cli parse_cli(const std::vector<std::string>& args) {
     // once made a timing misjudge.)
     if (o.device.is_cpu() && !cli.help) {
       if (!apex::amp::cpu_half_matmul_is_fast(o.half_dtype) &&
-          !apex::amp::cpu_half_fallback_available()) {
+          !apex::amp::cpu_half_fallback_available(o.half_dtype)) {
         cli.compare = {"O0"};
         std::ostringstream note;
         note << "apex-train: O1 and O2 left out of the default comparison: LibTorch multiplies "

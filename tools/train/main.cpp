@@ -194,7 +194,8 @@ int run(const Cli& cli) {
   {
     const auto data = apex::train::load_data(cli.train);
     // Where LibTorch's half matmuls are slow, amp computes them through fp32 (cpu_half.h): say so.
-    const bool through_fp32 = cli.train.device.is_cpu() && apex::amp::cpu_half_fallback_available();
+    const bool through_fp32 =
+        cli.train.device.is_cpu() && apex::amp::cpu_half_fallback_available(cli.train.half_dtype);
     std::printf(
         "apex-train: %s, %lld train / %lld held-out samples, %lld steps of %lld, half %s%s\n",
         cli.train.model.family.c_str(), static_cast<long long>(data.train.size()),

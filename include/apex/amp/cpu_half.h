@@ -6,13 +6,19 @@
 // scope. apex::amp turns the scope on by itself (Amp::forward, scaled-loss backward, AutocastGuard
 // on the CPU); code that casts its model itself uses CpuHalfFallbackGuard.
 
+#include <c10/core/ScalarType.h>
+
 #include <optional>
 
 namespace apex::amp {
 
-/// Whether the fallback applies in this process: LibTorch's half matmuls are slow on this CPU
-/// (cpu_half_matmul_is_fast(bf16) is false: decided from cpuid) and $APEX_CPU_HALF_FALLBACK is
-/// not "0". Decided once per process.
+/// Whether the fallback applies to `dtype` (Half or BFloat16) in this process: LibTorch's
+/// matmuls in it are slow on this CPU (cpu_half_matmul_is_fast(dtype) is false: decided from
+/// cpuid; a CPU with AVX512-BF16 but no AVX512-FP16 is fast in bf16 only) and
+/// $APEX_CPU_HALF_FALLBACK is not "0" ("1": both dtypes, even where fast). Decided once per
+/// process.
+bool cpu_half_fallback_available(c10::ScalarType dtype);
+/// ... for bf16 or fp16.
 bool cpu_half_fallback_available();
 
 /// Whether it is on now, in this thread (a CpuHalfFallbackGuard that enabled it is alive).
