@@ -57,7 +57,7 @@ std::vector<Case> cases() {
          const at::Tensor b = input({256, 1024}, t, 2);
          return std::function<void()>([a, b] { at::mm(a, b); });
        }},
-      {"linear", "linear 64x64x256 -> 1024, fwd+bwd", bf16, 3 * 2.0 * 4096 * 256 * 1024,
+      {"linear", "linear 64x64x256 -> 1024, fwd+bwd", both, 3 * 2.0 * 4096 * 256 * 1024,
        [](at::ScalarType t) {
          const at::Tensor x = input({64, 64, 256}, t, 3, true);
          const at::Tensor w = input({1024, 256}, t, 4, true);
@@ -65,14 +65,14 @@ std::vector<Case> cases() {
          return fwd_bwd({x, w, b}, input({64, 64, 1024}, t, 6),
                         [=] { return at::linear(x, w, b); });
        }},
-      {"conv2d", "conv2d 3x3 32x64x32x32, fwd+bwd", bf16, 3 * 2.0 * 32 * 64 * 32 * 32 * 64 * 9,
+      {"conv2d", "conv2d 3x3 32x64x32x32, fwd+bwd", both, 3 * 2.0 * 32 * 64 * 32 * 32 * 64 * 9,
        [](at::ScalarType t) {
          const at::Tensor x = input({32, 64, 32, 32}, t, 7, true);
          const at::Tensor w = input({64, 64, 3, 3}, t, 8, true);
          return fwd_bwd({x, w}, input({32, 64, 32, 32}, t, 9),
                         [=] { return at::conv2d(x, w, {}, 1, 1); });
        }},
-      {"conv1d", "conv1d k3 s2 64x64x799 (wav2vec2), fwd+bwd", bf16,
+      {"conv1d", "conv1d k3 s2 64x64x799 (wav2vec2), fwd+bwd", both,
        3 * 2.0 * 64 * 64 * 399 * 64 * 3,
        [](at::ScalarType t) {
          const at::Tensor x = input({64, 64, 799}, t, 10, true);
@@ -80,7 +80,7 @@ std::vector<Case> cases() {
          return fwd_bwd({x, w}, input({64, 64, 399}, t, 12),
                         [=] { return at::conv1d(x, w, {}, 2); });
        }},
-      {"sdpa", "attention 64x4x64x64 (flash), fwd+bwd", bf16, 3 * 4.0 * 64 * 4 * 64 * 64 * 64,
+      {"sdpa", "attention 64x4x64x64 (flash), fwd+bwd", both, 3 * 4.0 * 64 * 4 * 64 * 64 * 64,
        [](at::ScalarType t) {
          const at::Tensor q = input({64, 4, 64, 64}, t, 13, true);
          const at::Tensor k = input({64, 4, 64, 64}, t, 14, true);
