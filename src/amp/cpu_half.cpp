@@ -32,7 +32,7 @@ namespace {
 thread_local int active_depth = 0;
 std::atomic<int> forced{-1};  // -1: decide; 0/1: tests' choice
 
-// Per dtype: a CPU can be fast in one and slow in the other (AVX512-BF16 without AVX512-FP16, as
+// Per dtype: a CPU can be fast in one and slow in the other (AVX-512 without AVX512-FP16, as
 // AMD Zen 4/5 and Intel before Sapphire Rapids: bf16 through oneDNN, fp16 in a scalar loop).
 bool decide(at::ScalarType dtype) {
   // "0" turns it off, "1" on even where LibTorch's half path is fast (to compare or profile it

@@ -154,7 +154,7 @@ TEST(CpuHalfGelu, EveryValueCorrectlyRoundedGradientsWithinOneUnit) {
   }
 }
 
-// Each half dtype is decided on its own (a CPU with AVX512-BF16 but no AVX512-FP16, as AMD Zen 4
+// Each half dtype is decided on its own (a CPU with AVX-512 but no AVX512-FP16, as AMD Zen 4
 // and 5, multiplies bf16 through oneDNN and fp16 in a scalar loop): in a scope, an op in a dtype
 // takes the route exactly where that dtype's is available. GELU tells the two apart.
 TEST(CpuHalfGelu, EachDtypeTakesTheRouteWhereItsDecisionSays) {

@@ -14,7 +14,7 @@ namespace apex::amp {
 
 /// Whether the fallback applies to `dtype` (Half or BFloat16) in this process: LibTorch's
 /// matmuls in it are slow on this CPU (cpu_half_matmul_is_fast(dtype) is false: decided from
-/// cpuid; a CPU with AVX512-BF16 but no AVX512-FP16 is fast in bf16 only) and
+/// cpuid; a CPU with AVX-512 but no AVX512-FP16 is fast in bf16 only) and
 /// $APEX_CPU_HALF_FALLBACK is not "0" ("1": both dtypes, even where fast). Decided once per
 /// process.
 bool cpu_half_fallback_available(c10::ScalarType dtype);

@@ -8,7 +8,7 @@ fp32 there. In a ``cpu_half_fallback()`` scope, bf16/fp16 ``mm``, ``addmm``, ``b
 fp32 kernels on exactly widened inputs, their outputs rounded once to the half dtype, and GELU
 (forward and backward) reads a correctly rounded table per half dtype. The scope
 belongs to the thread that opens it; where torch's half path is fast it does nothing (per
-dtype: a CPU with AVX512-BF16 but no AVX512-FP16 takes the route for fp16 alone), and
+dtype: a CPU with AVX-512 but no AVX512-FP16 takes the route for fp16 alone), and
 ``APEX_CPU_HALF_FALLBACK=0`` turns it off (``=1`` on, to compare). ``apex.amp`` opens it around the
 forward of the models it patched and around the backward inside ``scale_loss`` at O1-O3; code
 that casts its model itself opens it by hand::
@@ -51,7 +51,7 @@ class cpu_half_fallback:  # noqa: N801 (a context manager, named like torch's)
 def cpu_half_fallback_available(dtype=None):
     """Whether the fp32 route is used on this CPU for ``dtype`` (``torch.bfloat16`` or
     ``torch.float16``; None: for either), decided once per process from cpuid and
-    ``APEX_CPU_HALF_FALLBACK``: a CPU with AVX512-BF16 but no AVX512-FP16 takes it for fp16
+    ``APEX_CPU_HALF_FALLBACK``: a CPU with AVX-512 but no AVX512-FP16 takes it for fp16
     only."""
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"cpu_half_fallback_available: expected torch.bfloat16 or torch.float16, "
