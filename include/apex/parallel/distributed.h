@@ -44,8 +44,8 @@ struct DistributedDataParallelOptions {
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
   /// Broadcast rank 0's buffers (BatchNorm's running statistics) before each training forward.
   TORCH_ARG(bool, broadcast_buffers) = true;
-  /// At construction: check that every rank has the same parameters, then broadcast rank 0's
-  /// parameters and buffers.
+  /// At construction: check that every rank has the same parameter and buffer shapes, then
+  /// broadcast rank 0's parameters and buffers.
   TORCH_ARG(bool, init_sync) = true;
   TORCH_ARG(CommHook, comm_hook) = CommHook::kAllReduce;
   /// apex: gradients are divided by this before the all-reduce and by world_size / factor after
