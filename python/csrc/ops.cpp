@@ -606,6 +606,11 @@ void cpu_half_fallback_force(int64_t forced) {
       forced < 0 ? std::nullopt : std::optional<bool>(forced == 1));
 }
 
+// Tests: the op calls in this thread that the route computed.
+int64_t cpu_half_route_calls() {
+  return static_cast<int64_t>(apex::amp::detail::cpu_half_route_calls());
+}
+
 // For python -m apex.bench: seconds per call of the C++ multi_tensor_scale, called n times from
 // C++ (what a Python call adds is measured against it in the same process).
 double bench_scale_calls(const Tensor& noop, const TensorList& x, const TensorList& y, int64_t n) {
@@ -643,6 +648,7 @@ TORCH_LIBRARY(apex_cpp, m) {
         &cpu_half_fallback_available);
   m.def("cpu_half_fallback_prepare() -> ()", &apex::amp::prepare_cpu_half_fallback);
   m.def("_cpu_half_fallback_force(int forced) -> ()", &cpu_half_fallback_force);
+  m.def("_cpu_half_route_calls() -> int", &cpu_half_route_calls);
   m.def("bench_scale_calls(Tensor(a!) noop_flag, Tensor[] x, Tensor(b!)[] y, int n) -> float",
         &bench_scale_calls);
 }

@@ -266,6 +266,48 @@ def test_cpu_half_fallback_scope(forced_fallback):
         torch.ops.apex_cpp.cpu_half_fallback_exit()
 
 
+@pytest.mark.regular_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_half_fallback_in_place_and_out_variants(forced_fallback, dtype):
+    """addbmm, the in-place products and out= take the route too (fairseq's ConvTBC is addmm_ on
+    slices; torch's MultiheadAttention fast path writes products into out=): torch's fp32 result
+    on the widened inputs, rounded once; out= resized as torch resizes it."""
+    g = torch.Generator().manual_seed(2)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    b1, b2, c, m1, m2 = r(3, 5, 8), r(3, 8, 2), r(5, 2), r(5, 8), r(8, 2)
+    w = lambda t: t.float()  # noqa: E731
+    want = {
+        "addbmm": torch.addbmm(w(c), w(b1), w(b2), beta=0.5, alpha=2.0),
+        "addmm_": w(c).addmm_(w(m1), w(m2), alpha=0.5),
+        "mm out": torch.mm(w(m1), w(m2)),
+        "bmm out": torch.bmm(w(b1), w(b2)),
+    }
+    calls = torch.ops.apex_cpp._cpu_half_route_calls
+    prod = b1 @ b2
+    out_mm, out_bmm = torch.empty(0, dtype=dtype), torch.empty(3, 5, 2, dtype=dtype)
+    ops = {
+        "addbmm": lambda: torch.addbmm(c, b1, b2, beta=0.5, alpha=2.0),
+        "addmm_": lambda: c.clone().addmm_(m1, m2, alpha=0.5),
+        "baddbmm_": lambda: prod.clone().baddbmm_(b1, b2),
+        "mm out": lambda: torch.mm(m1, m2, out=out_mm),
+        "bmm out": lambda: torch.bmm(b1, b2, out=out_bmm),
+        "conv_tbc": lambda: torch.conv_tbc(r(9, 5, 2), r(3, 2, 4), r(4), 1),
+    }
+    want["baddbmm_"] = w(prod).baddbmm_(w(b1), w(b2))
+    for k, op in ops.items():
+        with amp.cpu_half_fallback():
+            before = calls()
+            got = op()
+            assert calls() > before, f"{k} was left to torch's half kernel"
+        assert got.dtype == dtype
+        if k in want:
+            torch.testing.assert_close(got, want[k].to(dtype), rtol=0, atol=0, msg=k)
+    assert out_mm.shape == (5, 2) and ops["mm out"]() is out_mm
+
+
 def _ordinal(t):
     """Each 16-bit float's position on the number line (neighbours differ by one, -0 == +0)."""
     b = t.view(torch.int16).to(torch.int32)

@@ -2,8 +2,11 @@
 // ops and GELU, registered once on first use, that compute through fp32 while a guard is active in
 // the calling thread and otherwise call LibTorch's own CPU kernel (at::cpu::*, the kernel the
 // dispatcher had) unchanged.
+#include <ATen/ExpandUtils.h>
+#include <ATen/native/Resize.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward_cpu_dispatch.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_cpu_dispatch.h>
+#include <ATen/ops/addbmm_cpu_dispatch.h>
 #include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/baddbmm_cpu_dispatch.h>
 #include <ATen/ops/bmm_cpu_dispatch.h>
@@ -20,7 +23,9 @@
 
 #include "bridge/bridge.h"
 #include "kernels/activation.h"
+#include "kernels/gemv.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -30,7 +35,8 @@ namespace apex::amp {
 namespace {
 
 thread_local int active_depth = 0;
-std::atomic<int> forced{-1};  // -1: decide; 0/1: tests' choice
+thread_local uint64_t route_calls = 0;  // calls the route took in this thread (tests)
+std::atomic<int> forced{-1};            // -1: decide; 0/1: tests' choice
 
 // Per dtype: a CPU can be fast in one and slow in the other (AVX-512 without AVX512-FP16, as
 // AMD Zen 4/5 and Intel before Sapphire Rapids: bf16 through oneDNN, fp16 in a scalar loop).
@@ -57,13 +63,51 @@ bool take(std::initializer_list<const at::Tensor*> ts) {
     if (dtype && *dtype != t->scalar_type()) return false;
     dtype = t->scalar_type();
   }
-  return dtype.has_value() && cpu_half_fallback_available(*dtype);
+  if (!dtype.has_value() || !cpu_half_fallback_available(*dtype)) return false;
+  ++route_calls;
+  return true;
 }
 
 at::Tensor wide(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : t; }
 
+// Products with at most this many rows or columns (small-batch `linear`) read the other operand
+// in place (kernels/gemv.h) rather than widen all of it for a few vectors.
+constexpr int64_t kMaxVectors = 16;
+
+// The fp32 product of 2-D a [m, k] and b [k, n] where it has at most kMaxVectors rows or columns:
+// the larger operand read in place as a matrix M, the few rows of a (or columns of b) widened as
+// the vectors. Widening all of M for them cost 2-5x the fp32 product. Undefined for larger
+// products, or where M is strided in both dimensions (the caller widens then).
+at::Tensor vector_product(const at::Tensor& a, const at::Tensor& b) {
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  if (std::min(m, n) > kMaxVectors || m == 0 || n == 0 || k == 0) return {};
+  // Few rows: C = (b^T a^T)^T, M = b^T [n, k], the vectors a's rows, the result C. Few columns:
+  // M = a [m, k], the vectors b's columns, the result C^T.
+  const bool rows_few = m <= n;
+  const at::Tensor mat = rows_few ? b.t() : a;
+  const at::Tensor vecs = rows_few ? a : b.t();
+  const int64_t rows = mat.size(0);
+  const bool k_contiguous = mat.stride(1) == 1 || k == 1;
+  if (!k_contiguous && mat.stride(0) != 1 && rows > 1) return {};
+  const int64_t ld = k_contiguous ? mat.stride(0) : mat.stride(1);
+  const at::Tensor v = vecs.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({vecs.size(0), rows}, a.options().dtype(at::kFloat));
+  kernels::cpu::half_gemv(mat.const_data_ptr(), bridge::kernel_dtype(a, "mm"), rows, k,
+                          k_contiguous, ld, v.const_data_ptr<float>(), vecs.size(0),
+                          y.mutable_data_ptr<float>());
+  return rows_few ? y : y.t();
+}
+
+// The fp32 result in the half dtype, row-major as LibTorch's kernels return it.
+at::Tensor rounded(const at::Tensor& y, at::ScalarType t) {
+  return y.to(t, false, false, at::MemoryFormat::Contiguous);
+}
+
 at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
   if (!take({&a, &b})) return at::cpu::mm(a, b);
+  if (a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0)) {
+    if (const at::Tensor y = vector_product(a, b); y.defined()) return rounded(y, a.scalar_type());
+  }
   return at::cpu::mm(wide(a), wide(b)).to(a.scalar_type());
 }
 
@@ -75,6 +119,15 @@ at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
 at::Tensor addmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
                  const at::Scalar& beta, const at::Scalar& alpha) {
   if (!take({&self, &a, &b})) return at::cpu::addmm(self, a, b, beta, alpha);
+  if (a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0) && !beta.isComplex() &&
+      !alpha.isComplex() && at::is_expandable_to(self.sizes(), {a.size(0), b.size(1)})) {
+    if (at::Tensor y = vector_product(a, b); y.defined()) {
+      // beta * self + alpha * (a @ b) in fp32, as the fp32 kernel (self ignored where beta is 0).
+      if (alpha.toDouble() != 1) y.mul_(alpha);
+      if (beta.toDouble() != 0) y.add_(wide(self), beta);
+      return rounded(y, a.scalar_type());
+    }
+  }
   return at::cpu::addmm(wide(self), wide(a), wide(b), beta, alpha).to(a.scalar_type());
 }
 
@@ -82,6 +135,85 @@ at::Tensor baddbmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor
                    const at::Scalar& beta, const at::Scalar& alpha) {
   if (!take({&self, &a, &b})) return at::cpu::baddbmm(self, a, b, beta, alpha);
   return at::cpu::baddbmm(wide(self), wide(a), wide(b), beta, alpha).to(a.scalar_type());
+}
+
+at::Tensor addbmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
+                  const at::Scalar& beta, const at::Scalar& alpha) {
+  if (!take({&self, &a, &b})) return at::cpu::addbmm(self, a, b, beta, alpha);
+  return at::cpu::addbmm(wide(self), wide(a), wide(b), beta, alpha).to(a.scalar_type());
+}
+
+// out= variants: the functional route's result (`amp::` so that the at:: op of the same name
+// is not found through the arguments), written into `out` as LibTorch's kernels write
+// theirs (resized where its shape differs, with LibTorch's warning if it held elements). An `out`
+// of another dtype goes to LibTorch's kernel, which refuses it.
+at::Tensor& write_out(at::Tensor& out, const at::Tensor& result) {
+  at::native::resize_output(out, result.sizes());
+  return out.copy_(result);
+}
+
+at::Tensor& mm_out(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
+  if (!take({&a, &b, &out})) return at::cpu::mm_outf(a, b, out);
+  return write_out(out, amp::mm(a, b));
+}
+
+at::Tensor& bmm_out(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
+  if (!take({&a, &b, &out})) return at::cpu::bmm_outf(a, b, out);
+  return write_out(out, amp::bmm(a, b));
+}
+
+at::Tensor& addmm_out(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
+                      const at::Scalar& beta, const at::Scalar& alpha, at::Tensor& out) {
+  if (!take({&self, &a, &b, &out})) return at::cpu::addmm_outf(self, a, b, beta, alpha, out);
+  return write_out(out, amp::addmm(self, a, b, beta, alpha));
+}
+
+at::Tensor& baddbmm_out(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
+                        const at::Scalar& beta, const at::Scalar& alpha, at::Tensor& out) {
+  if (!take({&self, &a, &b, &out})) return at::cpu::baddbmm_outf(self, a, b, beta, alpha, out);
+  return write_out(out, amp::baddbmm(self, a, b, beta, alpha));
+}
+
+at::Tensor& addbmm_out(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
+                       const at::Scalar& beta, const at::Scalar& alpha, at::Tensor& out) {
+  if (!take({&self, &a, &b, &out})) return at::cpu::addbmm_outf(self, a, b, beta, alpha, out);
+  return write_out(out, amp::addbmm(self, a, b, beta, alpha));
+}
+
+// In place: the functional route's result (computed before `self` is written, so `self` may
+// alias an operand) copied into `self` where that is the result's shape; any other `self` goes
+// to LibTorch's kernel, which refuses it with its own message.
+bool has_product_shape(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
+                       bool batched_out) {
+  const int64_t d = batched_out ? 3 : 2;
+  if (a.dim() != b.dim() || a.dim() < 2 || self.dim() != d) return false;
+  const int64_t rows = a.size(-2), cols = b.size(-1);
+  return batched_out ? self.sizes() == at::IntArrayRef{a.size(0), rows, cols}
+                     : self.sizes() == at::IntArrayRef{rows, cols};
+}
+
+at::Tensor& addmm_(at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
+                   const at::Scalar& beta, const at::Scalar& alpha) {
+  if (!take({&self, &a, &b}) || a.dim() != 2 || !has_product_shape(self, a, b, false)) {
+    return at::cpu::addmm_(self, a, b, beta, alpha);
+  }
+  return self.copy_(amp::addmm(self, a, b, beta, alpha));
+}
+
+at::Tensor& baddbmm_(at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
+                     const at::Scalar& beta, const at::Scalar& alpha) {
+  if (!take({&self, &a, &b}) || a.dim() != 3 || !has_product_shape(self, a, b, true)) {
+    return at::cpu::baddbmm_(self, a, b, beta, alpha);
+  }
+  return self.copy_(amp::baddbmm(self, a, b, beta, alpha));
+}
+
+at::Tensor& addbmm_(at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
+                    const at::Scalar& beta, const at::Scalar& alpha) {
+  if (!take({&self, &a, &b}) || a.dim() != 3 || !has_product_shape(self, a, b, false)) {
+    return at::cpu::addbmm_(self, a, b, beta, alpha);
+  }
+  return self.copy_(amp::addbmm(self, a, b, beta, alpha));
 }
 
 at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight,
@@ -225,6 +357,15 @@ void register_kernels() {
     lib->impl("bmm", TORCH_FN(bmm));
     lib->impl("addmm", TORCH_FN(addmm));
     lib->impl("baddbmm", TORCH_FN(baddbmm));
+    lib->impl("addbmm", TORCH_FN(addbmm));
+    lib->impl("mm.out", TORCH_FN(mm_out));
+    lib->impl("bmm.out", TORCH_FN(bmm_out));
+    lib->impl("addmm.out", TORCH_FN(addmm_out));
+    lib->impl("baddbmm.out", TORCH_FN(baddbmm_out));
+    lib->impl("addbmm.out", TORCH_FN(addbmm_out));
+    lib->impl("addmm_", TORCH_FN(addmm_));
+    lib->impl("baddbmm_", TORCH_FN(baddbmm_));
+    lib->impl("addbmm_", TORCH_FN(addbmm_));
     lib->impl("convolution", TORCH_FN(convolution));
     lib->impl("convolution_backward", TORCH_FN(convolution_backward));
     lib->impl("gelu", TORCH_FN(gelu));
@@ -272,6 +413,8 @@ namespace detail {
 void force_cpu_half_fallback_available(std::optional<bool> value) {
   forced.store(value.has_value() ? (*value ? 1 : 0) : -1);
 }
+
+uint64_t cpu_half_route_calls() { return route_calls; }
 }  // namespace detail
 
 }  // namespace apex::amp

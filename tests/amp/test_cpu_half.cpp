@@ -29,9 +29,12 @@ at::Tensor exact(at::IntArrayRef sizes, at::ScalarType t, uint64_t seed) {
   }
   const at::Tensor want = want32.to(got.scalar_type()).to(at::kDouble);
   const at::Tensor g = got.to(at::kDouble);
-  // One ulp of the half dtype at the value's magnitude (bf16: 8 bits, fp16: 11 bits).
+  // One ulp of the half dtype at the value's magnitude (bf16: 8 bits, fp16: 11 bits), and what
+  // fp32 sums taken in another order than the reference's (the few-vector products) can differ
+  // by where terms cancel: a few fp32 units of the tensor's largest value.
   const double eps = got.scalar_type() == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024;
-  const at::Tensor ulp = (want.abs() * eps).clamp_min(1e-30);
+  const double fp32_order = want.numel() > 0 ? want.abs().max().item<double>() * 0x1p-20 : 0.0;
+  const at::Tensor ulp = (want.abs() * eps).clamp_min(1e-30) + fp32_order;
   const at::Tensor bad = (g - want).abs().gt(ulp);
   if (bad.any().item<bool>()) {
     return ::testing::AssertionFailure() << bad.sum().item<int64_t>() << " of " << g.numel()
@@ -46,6 +49,7 @@ using Input = std::function<at::Tensor(at::IntArrayRef, uint64_t)>;
 struct Case {
   const char* name;
   std::function<at::Tensor(const Input&)> run;
+  bool differentiable = true;  // out= variants are not
 };
 
 std::vector<Case> cases() {
@@ -66,6 +70,49 @@ std::vector<Case> cases() {
        [](const Input& in) {
          return at::mm(in({0, 3}, 5), in({3, 4}, 6));
        }},
+      // One row or one column: the matrix read in place (kernels/gemv.h), in either layout.
+      {"mm one row (b's columns strided: by columns)",
+       [](const Input& in) {
+         return at::mm(in({1, 33}, 44), in({33, 1100}, 45));
+       }},
+      {"mm one row (b transposed, batch-1 linear: by rows)",
+       [](const Input& in) {
+         return at::mm(in({1, 600}, 46), in({70, 600}, 47).t());
+       }},
+      {"mm one column, and a transposed",
+       [](const Input& in) {
+         return at::cat({at::mm(in({70, 33}, 48), in({33, 1}, 49)),
+                         at::mm(in({33, 70}, 50).t(), in({33, 1}, 61))});
+       }},
+      {"mm one row and column",
+       [](const Input& in) {
+         return at::mm(in({1, 33}, 51), in({33, 1}, 52));
+       }},
+      {"mm five rows (four vectors, then one), by columns and by rows",
+       [](const Input& in) {
+         return at::cat({at::mm(in({5, 40}, 62), in({40, 530}, 63)),
+                         at::mm(in({5, 40}, 70), in({530, 40}, 64).t())});
+       }},
+      {"mm six columns, a transposed",
+       [](const Input& in) {
+         return at::mm(in({35, 600}, 65).t(), in({35, 6}, 66));
+       }},
+      {"addmm eight rows (small-batch linear)",
+       [](const Input& in) {
+         return at::addmm(in({1, 70}, 67), in({8, 33}, 68), in({70, 33}, 69).t(), 1.0, 0.5);
+       }},
+      {"mm one row, b strided both ways (widened)",
+       [](const Input& in) {
+         return at::mm(in({1, 33}, 53), in({66, 140}, 54).slice(0, 0, 66, 2).slice(1, 0, 140, 2));
+       }},
+      {"addmm one row (batch-1 linear with bias)",
+       [](const Input& in) {
+         return at::addmm(in({70}, 55), in({1, 33}, 56), in({70, 33}, 57).t(), 0.5, 2.0);
+       }},
+      {"linear 1-D input",
+       [](const Input& in) {
+         return at::linear(in({33}, 58), in({70, 33}, 59), in({70}, 60));
+       }},
       {"addmm",
        [](const Input& in) {
          return at::addmm(in({4}, 7), in({6, 17}, 8), in({17, 4}, 9), 0.5, 2.0);
@@ -78,6 +125,54 @@ std::vector<Case> cases() {
        [](const Input& in) {
          return at::baddbmm(in({3, 5, 2}, 12), in({3, 5, 8}, 13), in({3, 8, 2}, 14));
        }},
+      {"addbmm",
+       [](const Input& in) {
+         return at::addbmm(in({5, 2}, 35), in({3, 5, 8}, 36), in({3, 8, 2}, 37), 0.5, 2.0);
+       }},
+      // In place (fairseq's conv_tbc is addmm_ on slices: ConvTbcTakesTheRoute) and out=.
+      {"addmm_ in place",
+       [](const Input& in) {
+         return in({6, 4}, 38).clone().addmm_(in({6, 17}, 8), in({17, 4}, 9), 0.5, 2.0);
+       }},
+      {"baddbmm_ in place, self transposed",
+       [](const Input& in) {
+         return in({3, 2, 5}, 39)
+             .clone()
+             .transpose(1, 2)
+             .baddbmm_(in({3, 5, 8}, 13), in({3, 8, 2}, 14));
+       }},
+      {"addbmm_ in place",
+       [](const Input& in) {
+         return in({5, 2}, 40).clone().addbmm_(in({3, 5, 8}, 36), in({3, 8, 2}, 37), 1.0, 0.5);
+       }},
+      {"mm out= (resized)",
+       [](const Input& in) {
+         const at::Tensor a = in({7, 33}, 1);
+         at::Tensor out = at::empty({0}, a.options());
+         at::mm_out(out, a, in({33, 5}, 2));
+         return out;
+       },
+       false},
+      {"bmm out= (transposed out)",
+       [](const Input& in) {
+         const at::Tensor a = in({3, 5, 8}, 10);
+         at::Tensor out = at::empty({3, 2, 5}, a.options()).transpose(1, 2);
+         at::bmm_out(out, a, in({3, 8, 2}, 11));
+         EXPECT_FALSE(out.is_contiguous());  // written in place, its layout kept
+         return out;
+       },
+       false},
+      {"addmm, baddbmm, addbmm out=",
+       [](const Input& in) {
+         const at::Tensor a = in({3, 5, 8}, 13), b = in({3, 8, 2}, 14);
+         at::Tensor o1 = at::empty({0}, a.options()), o2 = at::empty({0}, a.options()),
+                    o3 = at::empty({0}, a.options());
+         at::addmm_out(o1, in({2}, 7), a[0], b[0], 0.5, 2.0);
+         at::baddbmm_out(o2, in({3, 5, 2}, 12), a, b);
+         at::addbmm_out(o3, in({5, 2}, 35), a, b);
+         return at::cat({o1.flatten(), o2.flatten(), o3.flatten()});
+       },
+       false},
       {"matmul broadcast batch",
        [](const Input& in) {
          return at::matmul(in({2, 3, 5, 8}, 15), in({8, 6}, 16));
@@ -130,7 +225,11 @@ TEST(CpuHalfFallback, OpsEqualFp32RoundedOnce) {
       {
         const CpuHalfFallbackGuard guard;
         ASSERT_TRUE(apex::amp::cpu_half_fallback_active());
+        const uint64_t before = apex::amp::detail::cpu_half_route_calls();
         got = c.run(half);
+        // Computed by the route, not by LibTorch's half kernel (whose results may also be
+        // within one unit).
+        EXPECT_GT(apex::amp::detail::cpu_half_route_calls(), before) << c.name << " " << t;
       }
       EXPECT_EQ(got.scalar_type(), t) << c.name;
       EXPECT_TRUE(rounded_once(got, want)) << c.name << " " << t;
@@ -147,6 +246,7 @@ TEST(CpuHalfFallback, GradientsEqualFp32RoundedOnce) {
   const ForceAvailable force;
   for (const auto t : {at::kBFloat16, at::kHalf}) {
     for (const auto& c : cases()) {
+      if (!c.differentiable) continue;
       std::vector<at::Tensor> grads[2];
       for (const bool wide : {true, false}) {
         std::vector<at::Tensor> leaves;
@@ -178,6 +278,78 @@ TEST(CpuHalfFallback, GradientsEqualFp32RoundedOnce) {
       }
     }
   }
+}
+
+// conv_tbc (fairseq's ConvTBC, on autocast's half list) adds one product per kernel tap into
+// its output with addmm_, so its result is rounded after each tap, by LibTorch's half kernel as
+// by the route: the two agree (to one unit where their fp32 sums differ in order), and not with a
+// single rounding of the fp32 op. Gradients (mm and addmm_ on slices) within the half tolerance.
+TEST(CpuHalfFallback, ConvTbcTakesTheRoute) {
+  const ForceAvailable force;
+  for (const auto t : {at::kBFloat16, at::kHalf}) {
+    std::vector<at::Tensor> results[2];
+    for (const bool route : {false, true}) {
+      const at::Tensor x = exact({9, 2, 6}, t, 41).requires_grad_();
+      const at::Tensor w = exact({3, 6, 4}, t, 42).requires_grad_();
+      const at::Tensor b = exact({4}, t, 43).requires_grad_();
+      const CpuHalfFallbackGuard guard(route);
+      const uint64_t before = apex::amp::detail::cpu_half_route_calls();
+      const at::Tensor y = at::conv_tbc(x, w, b, 1);
+      y.backward(exact(y.sizes(), t, 44));
+      EXPECT_EQ(apex::amp::detail::cpu_half_route_calls() > before, route) << t;
+      results[route] = {y, x.grad(), w.grad(), b.grad()};
+    }
+    EXPECT_TRUE(rounded_once(results[1][0], results[0][0].to(at::kFloat))) << t;
+    for (size_t i = 1; i < 4; ++i) {
+      EXPECT_EQ(results[1][i].scalar_type(), t);
+      EXPECT_TRUE(apex::test::all_close(results[1][i], results[0][i], apex::test::tolerance_for(t)))
+          << t << " gradient " << i;
+    }
+  }
+}
+
+// In place and out= in a scope: what LibTorch refuses is refused with its message and nothing
+// written; an operand aliasing the output reads its values from before the call.
+TEST(CpuHalfFallback, InPlaceAndOutVariantsRefuseWhatLibTorchRefuses) {
+  const ForceAvailable force;
+  const CpuHalfFallbackGuard guard;
+  const at::Tensor a = exact({4, 4}, at::kBFloat16, 60), b = exact({4, 4}, at::kBFloat16, 61);
+  at::Tensor bias = exact({4}, at::kBFloat16, 62);
+  const at::Tensor bias_before = bias.clone();
+  EXPECT_THROW(bias.addmm_(a, b), c10::Error);  // in place cannot broadcast the result into it
+  EXPECT_TRUE(bias.equal(bias_before));
+  at::Tensor out32 = at::zeros({4, 4});
+  EXPECT_THROW(at::mm_out(out32, a, b), c10::Error);  // LibTorch's dtype check
+  EXPECT_TRUE(out32.equal(at::zeros({4, 4})));
+  EXPECT_THROW(at::mm(a, exact({3, 4}, at::kBFloat16, 63)), c10::Error);
+  // self.addmm_(self, b): the product reads self before it is overwritten.
+  at::Tensor s = a.clone();
+  const at::Tensor want = at::addmm(a.to(at::kFloat), a.to(at::kFloat), b.to(at::kFloat), 1, 1);
+  s.addmm_(s, b);
+  EXPECT_TRUE(s.equal(want.to(at::kBFloat16)));
+  at::Tensor o = a.clone();
+  at::mm_out(o, o, b);
+  EXPECT_TRUE(o.equal(at::mm(a.to(at::kFloat), b.to(at::kFloat)).to(at::kBFloat16)));
+}
+
+// The kernels for products with a few rows or columns sum each output in an order fixed by k and
+// the number of vectors: the same bits on any number of threads.
+TEST(CpuHalfFallback, VectorProductsDoNotDependOnThreads) {
+  const ForceAvailable force;
+  const int threads = at::get_num_threads();
+  for (const auto t : {at::kBFloat16, at::kHalf}) {
+    const at::Tensor a = exact({5, 300}, t, 70), b = exact({300, 3000}, t, 71);
+    const at::Tensor w = exact({3000, 300}, t, 72);
+    std::vector<at::Tensor> got[2];
+    for (const int n : {1, 4}) {
+      at::set_num_threads(n);
+      const CpuHalfFallbackGuard guard;
+      got[n == 4] = {at::mm(a, b), at::mm(a, w.t()), at::mm(w, a.t()),
+                     at::mm(a[0].view({1, -1}), b)};
+    }
+    for (size_t i = 0; i < got[0].size(); ++i) EXPECT_TRUE(got[0][i].equal(got[1][i])) << t << i;
+  }
+  at::set_num_threads(threads);
 }
 
 TEST(CpuHalfFallback, ScopeOnOffNestedThreadsExceptions) {

@@ -88,6 +88,30 @@ std::vector<Case> cases() {
          return fwd_bwd({q, k, v}, input({64, 4, 64, 64}, t, 16),
                         [=] { return at::scaled_dot_product_attention(q, k, v); });
        }},
+      {"addbmm", "addbmm 16x256x256 @ 16x256x256 into 256x256", bf16, 2.0 * 16 * 256 * 256 * 256,
+       [](at::ScalarType t) {
+         const at::Tensor c = input({256, 256}, t, 34);
+         const at::Tensor a = input({16, 256, 256}, t, 35);
+         const at::Tensor b = input({16, 256, 256}, t, 36);
+         return std::function<void()>([c, a, b] { at::addbmm(c, a, b); });
+       }},
+      {"mm_out", "mm 2048x256 @ 256x1024, out=", bf16, 2.0 * 2048 * 256 * 1024,
+       [](at::ScalarType t) {
+         const at::Tensor a = input({2048, 256}, t, 1);
+         const at::Tensor b = input({256, 1024}, t, 2);
+         at::Tensor out = at::empty({2048, 1024}, a.options());
+         return std::function<void()>([a, b, out]() mutable { at::mm_out(out, a, b); });
+       }},
+      // fairseq's ConvTBC: one addmm_ per kernel tap into the output.
+      {"conv_tbc", "conv_tbc k3 200x32x256 -> 256, fwd+bwd", bf16,
+       3 * 2.0 * 200 * 32 * 256 * 256 * 3,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({200, 32, 256}, t, 37, true);
+         const at::Tensor w = input({3, 256, 256}, t, 38, true);
+         const at::Tensor b = input({256}, t, 39, true);
+         return fwd_bwd({x, w, b}, input({200, 32, 256}, t, 40),
+                        [=] { return at::conv_tbc(x, w, b, 1); });
+       }},
       // Not on the route: LibTorch's half kernels inside the scope too (ours = LibTorch's half,
       // a measure of this method's noise). Here for their "vs fp32": the ops of apex-train's
       // models between the products, whose half kernels may be slower than fp32 on a CPU.

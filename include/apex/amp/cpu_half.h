@@ -8,6 +8,7 @@
 
 #include <c10/core/ScalarType.h>
 
+#include <cstdint>
 #include <optional>
 
 namespace apex::amp {
@@ -24,14 +25,14 @@ bool cpu_half_fallback_available();
 /// Whether it is on now, in this thread (a CpuHalfFallbackGuard that enabled it is alive).
 bool cpu_half_fallback_active();
 
-/// In this thread, while it lives: bf16 and fp16 mm, addmm, bmm, baddbmm (so linear and matmul),
-/// convolution (forward and backward) and the CPU flash attention (forward and backward) on CPU
-/// tensors run as LibTorch's fp32 kernels on exactly widened inputs, outputs rounded to the half
-/// dtype (so at least as accurate as LibTorch's half kernels, which also accumulate in fp32, and
-/// bit-identical between runs); GELU (forward and backward) of dense half tensors reads a table
-/// per dtype (correctly rounded). Nested guards are fine; fp32/fp64 ops, CUDA tensors and mixed
-/// dtypes go to LibTorch's own kernels unchanged, and where the fallback is not available the
-/// guard does nothing.
+/// In this thread, while it lives: bf16 and fp16 mm, addmm, bmm, baddbmm, addbmm (so linear,
+/// matmul and conv_tbc; their in-place and out= forms too), convolution (forward and backward) and
+/// the CPU flash attention (forward and backward) on CPU tensors run as LibTorch's fp32 kernels on
+/// exactly widened inputs, outputs rounded to the half dtype (so at least as accurate as LibTorch's
+/// half kernels, which also accumulate in fp32, and bit-identical between runs); GELU (forward and
+/// backward) of dense half tensors reads a table per dtype (correctly rounded). Nested guards are
+/// fine; fp32/fp64 ops, CUDA tensors and mixed dtypes go to LibTorch's own kernels unchanged, and
+/// where the fallback is not available the guard does nothing.
 ///
 ///   model->to(at::kBFloat16);
 ///   { apex::amp::CpuHalfFallbackGuard fast; loss = loss_fn(model->forward(x), y); loss.backward();
@@ -59,6 +60,8 @@ void prepare_cpu_half_fallback();
 namespace detail {
 /// Tests only: decide availability as `forced` (nullopt: from the CPU and the environment again).
 void force_cpu_half_fallback_available(std::optional<bool> forced);
+/// Tests only: how many op calls in this thread the route has computed (not handed to LibTorch).
+uint64_t cpu_half_route_calls();
 }  // namespace detail
 
 }  // namespace apex::amp

@@ -109,12 +109,25 @@ struct LookupKernels {
                   DType t);
 };
 
+/// Products of a bf16/fp16 matrix and nv (1 to 4) fp32 vectors with fp32 sums, the matrix widened
+/// in registers (gemv_kernels.cpp; the driver: gemv_cpu.cpp). m points at row 0 of the rows done,
+/// vector i at v + i * ldv, its results at y + i * ldy.
+struct GemvKernels {
+  /// y_i[r] = sum over l < k of m[r * ld + l] * v_i[l], for r < rows (each row contiguous).
+  void (*dot_rows)(const uint16_t* m, int64_t ld, int64_t rows, int64_t k, const float* v,
+                   int64_t ldv, int nv, float* y, int64_t ldy, DType t);
+  /// y_i[r] = sum over l < k of m[l * ld + r] * v_i[l], for r < rows (each column contiguous).
+  void (*axpy_cols)(const uint16_t* m, int64_t ld, int64_t rows, int64_t k, const float* v,
+                    int64_t ldv, int nv, float* y, int64_t ldy, DType t);
+};
+
 /// Every kernel table of one instruction set.
 struct CpuKernels {
   const char* isa;  ///< its name, as APEX_CPU_ISA takes it
   const MultiTensorKernels* multi_tensor;
   const NormKernels* norm;
   const LookupKernels* lookup;
+  const GemvKernels* gemv;
 };
 
 /// The kernels of the widest instruction set this CPU has (APEX_CPU_ISA may force a narrower
@@ -125,7 +138,8 @@ const CpuKernels& cpu_kernels();
 #define APEX_DECLARE_ISA_TABLES(name, runs)                \
   const MultiTensorKernels& multi_tensor_kernels_##name(); \
   const NormKernels& norm_kernels_##name();                \
-  const LookupKernels& lookup_kernels_##name();
+  const LookupKernels& lookup_kernels_##name();            \
+  const GemvKernels& gemv_kernels_##name();
 APEX_FOR_EACH_CPU_ISA(APEX_DECLARE_ISA_TABLES)
 #undef APEX_DECLARE_ISA_TABLES
 

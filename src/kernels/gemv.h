@@ -1,0 +1,21 @@
+// Kernel interface of products of bf16/fp16 CPU matrices with a few fp32 vectors: fp32 sums, the
+// matrix read in place. Used by amp's half-precision route (amp/cpu_half.cpp) for products with
+// a few rows or columns (small-batch `linear`), where widening the whole matrix for them cost
+// 2-5x the fp32 product.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/multi_tensor.h"
+
+namespace apex::kernels::cpu {
+
+/// Y[i, r] = sum over l < k of M[r, l] * V[i, l] for r < rows and i < nv, M stored as t (bf16
+/// or fp16) at m with element (r, l) at m[r * ld + l] (k_contiguous) or m[l * ld + r]
+/// (otherwise); V [nv, k] and Y [nv, rows] fp32, contiguous. The matrix is read once per four
+/// vectors. Parallel over rows on ATen's thread pool; each result is summed in an order fixed by
+/// k and nv, the same for any split.
+void half_gemv(const void* m, DType t, int64_t rows, int64_t k, bool k_contiguous, int64_t ld,
+               const float* v, int64_t nv, float* y);
+
+}  // namespace apex::kernels::cpu
