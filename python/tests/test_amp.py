@@ -338,6 +338,38 @@ def test_cpu_half_fallback_gelu(forced_fallback, dtype):
 
 
 @pytest.mark.regular_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_half_fallback_silu(forced_fallback, dtype):
+    """SiLU of half tensors in the scope (nn.SiLU, in place too): every finite value within one
+    unit in the last place of float64's x * sigmoid(x), its backward through autograd as the
+    library computes it."""
+    import math
+
+    def silu64(v):
+        if math.isnan(v) or v == -math.inf:
+            return math.nan
+        return v / (1 + math.exp(-v)) if v > -700 else -0.0
+
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    want = torch.tensor([silu64(v) for v in x.double().tolist()], dtype=torch.float64)
+    finite = torch.isfinite(want)
+    xr = x.clone().requires_grad_()
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    calls = torch.ops.apex_cpp._cpu_half_route_calls
+    with amp.cpu_half_fallback():
+        before = calls()
+        y = torch.nn.SiLU()(xr)
+        y.backward(g)
+        dx = torch.ops.aten.silu_backward(g, x)
+        in_place = torch.nn.SiLU(inplace=True)(x.clone())
+        assert calls() >= before + 4
+    off = (_ordinal(y.detach()) - _ordinal(want.to(dtype))).abs()
+    assert off[finite].max().item() <= 1
+    torch.testing.assert_close(xr.grad, dx, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(in_place.view(torch.int16), y.detach().view(torch.int16))
+
+
+@pytest.mark.regular_ops
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_amp_computes_through_fp32_where_half_is_slow(forced_fallback, opt_level):
     """apex.amp opens the scope around the patched forward and the backward in scale_loss, and

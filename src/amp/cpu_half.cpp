@@ -16,6 +16,8 @@
 #include <ATen/ops/gelu_backward_cpu_dispatch.h>
 #include <ATen/ops/gelu_cpu_dispatch.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
+#include <ATen/ops/silu_backward_cpu_dispatch.h>
+#include <ATen/ops/silu_cpu_dispatch.h>
 #include <apex/amp/cpu_half.h>
 #include <apex/amp/utils.h>
 #include <c10/util/Exception.h>
@@ -334,6 +336,34 @@ at::Tensor gelu_backward(const at::Tensor& grad, const at::Tensor& x,
   return dx;
 }
 
+// SiLU likewise (LibTorch's bf16 kernel on AVX2: 1.5-1.6x its fp32 time); in place too, which
+// nn.SiLU(inplace=true) calls.
+at::Tensor silu(const at::Tensor& x) {
+  if (!take({&x}) || !x.is_non_overlapping_and_dense()) return at::cpu::silu(x);
+  at::Tensor y = at::empty_like(x);
+  kernels::cpu::silu(x.const_data_ptr(), y.mutable_data_ptr(), bridge::kernel_dtype(x, "silu"),
+                     x.numel());
+  return y;
+}
+
+at::Tensor& silu_(at::Tensor& x) {
+  if (!take({&x}) || !x.is_non_overlapping_and_dense()) return at::cpu::silu_(x);
+  kernels::cpu::silu(x.const_data_ptr(), x.mutable_data_ptr(), bridge::kernel_dtype(x, "silu"),
+                     x.numel());
+  return x;
+}
+
+at::Tensor silu_backward(const at::Tensor& grad, const at::Tensor& x) {
+  if (!take({&grad, &x}) || !x.is_non_overlapping_and_dense() || grad.sizes() != x.sizes() ||
+      grad.strides() != x.strides()) {
+    return at::cpu::silu_backward(grad, x);
+  }
+  at::Tensor dx = at::empty_like(x);
+  kernels::cpu::silu_backward(grad.const_data_ptr(), x.const_data_ptr(), dx.mutable_data_ptr(),
+                              bridge::kernel_dtype(x, "silu"), x.numel());
+  return dx;
+}
+
 // Our CPU kernels replace the dispatcher's for these ops; the dispatcher says so once per op
 // with a warning that is no news to anyone here.
 struct QuietRegistration : c10::WarningHandler {
@@ -370,6 +400,9 @@ void register_kernels() {
     lib->impl("convolution_backward", TORCH_FN(convolution_backward));
     lib->impl("gelu", TORCH_FN(gelu));
     lib->impl("gelu_backward", TORCH_FN(gelu_backward));
+    lib->impl("silu", TORCH_FN(silu));
+    lib->impl("silu_", TORCH_FN(silu_));
+    lib->impl("silu_backward", TORCH_FN(silu_backward));
     lib->impl("_scaled_dot_product_flash_attention_for_cpu", TORCH_FN(flash_attention));
     lib->impl("_scaled_dot_product_flash_attention_for_cpu_backward",
               TORCH_FN(flash_attention_backward));

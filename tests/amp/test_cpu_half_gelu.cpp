@@ -1,10 +1,11 @@
-// GELU on the CPU half-precision route: every bf16 and fp16 value, both forms, forward and
-// backward, against a long-double reference (one unit in the last place at most; the forward is
-// correctly rounded, the reference's conversion may not be); LibTorch's kernel outside the scope,
-// for fp32, for layouts the route does not take; strides kept; autograd through it. Run once per
-// kernel ISA (tests/amp/CMakeLists.txt).
+// GELU and SiLU on the CPU half-precision route: every bf16 and fp16 value, both GELU forms,
+// forward and backward, against a long-double reference (one unit in the last place at most; the
+// forward is correctly rounded, the reference's conversion may not be); LibTorch's kernel outside
+// the scope, for fp32, for layouts the route does not take; strides kept; autograd through it. Run
+// once per kernel ISA (tests/amp/CMakeLists.txt).
 #include <ATen/ops/gelu_backward_cpu_dispatch.h>
 #include <ATen/ops/gelu_cpu_dispatch.h>
+#include <ATen/ops/silu_cpu_dispatch.h>
 #include <apex/amp/cpu_half.h>
 #include <apex/amp/utils.h>
 
@@ -43,9 +44,22 @@ long double gelu_ref(long double x, bool tanh, long double* derivative) {
   return x * phi;
 }
 
-// The reference over x's values: gelu (want_y) and g * gelu' (want_dx), in fp64.
+// silu(x) = x sigma(x) and silu'(x) = sigma(x) (1 + x (1 - sigma(x))), 1 - sigma(x) as
+// exp(-x) sigma(x) (1 where exp(-x) overflows even long double: there sigma(x) is 0).
+long double silu_ref(long double x, long double* derivative) {
+  const long double e = std::exp(-x);
+  const long double s = 1 / (1 + e);
+  *derivative = s * (1 + x * (std::isinf(e) ? 1 : e * s));
+  return x / (1 + e);
+}
+
+using RefFn = long double (*)(long double, bool, long double*);
+long double silu_as_ref(long double x, bool, long double* d) { return silu_ref(x, d); }
+
+// The reference over x's values: f (want_y) and g * f' (want_dx), in fp64; f is gelu (of the form
+// tanh says) unless given.
 void reference(const at::Tensor& x, const at::Tensor& g, bool tanh, at::Tensor& want_y,
-               at::Tensor& want_dx) {
+               at::Tensor& want_dx, RefFn f = gelu_ref) {
   const at::Tensor xd = x.to(at::kDouble);
   const at::Tensor gd = g.to(at::kDouble);
   want_y = at::empty_like(xd);
@@ -56,7 +70,7 @@ void reference(const at::Tensor& x, const at::Tensor& g, bool tanh, at::Tensor& 
   double* dxs = want_dx.mutable_data_ptr<double>();
   for (int64_t i = 0; i < xd.numel(); ++i) {
     long double d;
-    ys[i] = static_cast<double>(gelu_ref(xs[i], tanh, &d));
+    ys[i] = static_cast<double>(f(xs[i], tanh, &d));
     dxs[i] = static_cast<double>(gs[i] * d);
   }
 }
@@ -261,4 +275,54 @@ TEST(CpuHalfGelu, TailsAndUnalignedStarts) {
           within(at::gelu_backward(gs, xs), want_dx.slice(0, offset, offset + n).contiguous(), 1));
     }
   }
+}
+
+TEST(CpuHalfSilu, EveryValueCorrectlyRoundedGradientsWithinOneUnit) {
+  const ForceAvailable force;
+  for (const auto t : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(t));
+    const at::Tensor x = all_patterns(t);
+    const at::Tensor g = at::randn({x.numel()}, at::detail::createCPUGenerator(9)).to(t);
+    at::Tensor want_y, want_dx;
+    reference(x, g, false, want_y, want_dx, silu_as_ref);
+    at::Tensor y, dx, in_place;
+    {
+      const CpuHalfFallbackGuard on;
+      const uint64_t before = apex::amp::detail::cpu_half_route_calls();
+      y = at::silu(x);
+      dx = at::silu_backward(g, x);
+      in_place = x.clone();
+      at::silu_(in_place);
+      EXPECT_EQ(apex::amp::detail::cpu_half_route_calls(), before + 3);
+    }
+    EXPECT_EQ(y.scalar_type(), t);
+    EXPECT_TRUE(within(y, want_y, 0));  // correctly rounded
+    EXPECT_TRUE(within(dx, want_dx, 1));
+    EXPECT_TRUE(at::equal(in_place.view(at::kShort), y.view(at::kShort)));  // NaNs too
+  }
+}
+
+TEST(CpuHalfSilu, LayoutsAutogradAndLibTorchsKernelElsewhere) {
+  const ForceAvailable force;
+  const at::Tensor x =
+      (at::randn({2, 5, 6, 7}, at::detail::createCPUGenerator(10)) * 4).to(at::kBFloat16);
+  const at::Tensor g = at::randn({2, 5, 6, 7}, at::detail::createCPUGenerator(11)).to(x.dtype());
+  at::Tensor want_y, want_dx;
+  reference(x.flatten(), g.flatten(), false, want_y, want_dx, silu_as_ref);
+  const CpuHalfFallbackGuard on;
+  // Dense layouts keep their strides.
+  const at::Tensor cl = x.contiguous(at::MemoryFormat::ChannelsLast);
+  EXPECT_EQ(at::silu(cl).strides(), cl.strides());
+  EXPECT_TRUE(at::equal(at::silu(cl).contiguous(), at::silu(x)));
+  // Not dense, fp32, a gradient laid out unlike its input: LibTorch's kernels.
+  const at::Tensor strided = x.slice(3, 0, 7, 2);
+  EXPECT_TRUE(at::equal(at::silu(strided), at::cpu::silu(strided)));
+  const at::Tensor xf = x.to(at::kFloat);
+  EXPECT_TRUE(at::equal(at::silu(xf), at::cpu::silu(xf)));
+  EXPECT_TRUE(at::allclose(at::silu_backward(g, cl).to(at::kFloat),
+                           at::silu_backward(g, x).to(at::kFloat), 1e-2, 1e-3));
+  // Autograd: the backward is the table's.
+  const at::Tensor leaf = x.clone().requires_grad_();
+  at::silu(leaf).backward(g);
+  EXPECT_TRUE(within(leaf.grad().flatten(), want_dx, 1));
 }

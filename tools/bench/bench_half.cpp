@@ -149,6 +149,11 @@ std::vector<Case> cases() {
          const at::Tensor x = input({16384, 64}, t, 32, true);
          return fwd_bwd({x}, input({16384, 64}, t, 33), [=] { return at::softmax(x, -1); });
        }},
+      {"silu", "silu 4096x1024, fwd+bwd", both, 0,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({4096, 1024}, t, 41, true);
+         return fwd_bwd({x}, input({4096, 1024}, t, 42), [=] { return at::silu(x); });
+       }},
       {"gelu", "gelu 4096x1024, fwd+bwd", both, 0,
        [](at::ScalarType t) {
          const at::Tensor x = input({4096, 1024}, t, 17, true);

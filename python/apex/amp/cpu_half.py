@@ -7,7 +7,7 @@ fp32 there. In a ``cpu_half_fallback()`` scope, bf16/fp16 ``mm``, ``addmm``, ``b
 ``baddbmm``, ``addbmm`` (so ``linear``, ``matmul`` and ``conv_tbc``; in place and ``out=`` too),
 convolutions and the CPU flash attention run as torch's
 fp32 kernels on exactly widened inputs, their outputs rounded once to the half dtype, and GELU
-(forward and backward) reads a correctly rounded table per half dtype. The scope
+and SiLU (forward and backward) read a correctly rounded table per half dtype. The scope
 belongs to the thread that opens it; where torch's half path is fast it does nothing (per
 dtype: a CPU with AVX-512 but no AVX512-FP16 takes the route for fp16 alone), and
 ``APEX_CPU_HALF_FALLBACK=0`` turns it off (``=1`` on, to compare). ``apex.amp`` opens it around the

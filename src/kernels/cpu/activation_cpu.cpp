@@ -83,48 +83,78 @@ void gelu64(double x, bool tanh, double& y, double& dy) {
   dy = phi + x * std::exp(-0.5 * x * x) * 0.39894228040143267794;  // + x * pdf(x)
 }
 
-const Tables& gelu_tables(DType t, bool tanh) {
+// silu and silu' in fp64: x sigma(x), sigma(x) (1 + x (1 - sigma(x))) with 1 - sigma(x) as
+// exp(-x) sigma(x) (no cancellation for large x). At x = -inf both are NaN, as x / (1 + exp(-x))
+// evaluates there and LibTorch's kernel gives; at +inf, silu is +inf and silu' NaN, likewise.
+void silu64(double x, double& y, double& dy) {
+  const double e = std::exp(-x);
+  const double s = 1.0 / (1.0 + e);
+  y = x / (1.0 + e);
+  dy = s * (1.0 + x * (std::isinf(e) ? 1.0 : e * s));
+}
+
+enum Fn { kGeluErf, kGeluTanh, kSilu, kFns };
+
+const Tables& tables_of(DType t, Fn fn) {
   TORCH_CHECK(t == DType::kBFloat16 || t == DType::kFloat16,
-              "apex gelu kernels: expected bf16 or fp16 elements");
-  static std::once_flag once[2][2];
-  static std::unique_ptr<Tables> tables[2][2];
+              "apex activation kernels: expected bf16 or fp16 elements");
+  static std::once_flag once[2][kFns];
+  static std::unique_ptr<Tables> tables[2][kFns];
   const int d = t == DType::kBFloat16 ? 0 : 1;
-  const int f = tanh ? 1 : 0;
-  std::call_once(once[d][f], [&] {
+  std::call_once(once[d][fn], [&] {
     // Subnormal inputs and results must stay what they are, whatever flush-to-zero mode the
     // building thread runs in (torch.set_flush_denormal): the tables serve every thread after.
     const ExactSubnormals exact;
     auto tb = std::make_unique<Tables>();
     for (int64_t i = 0; i < kPatterns; ++i) {
       double y, dy;
-      gelu64(value_of(static_cast<uint16_t>(i), t), tanh, y, dy);
+      const double x = value_of(static_cast<uint16_t>(i), t);
+      if (fn == kSilu) {
+        silu64(x, y, dy);
+      } else {
+        gelu64(x, fn == kGeluTanh, y, dy);
+      }
       tb->y[static_cast<size_t>(i)] = round_to(y, t);
       tb->dy[static_cast<size_t>(i)] = static_cast<float>(dy);
     }
-    tables[d][f] = std::move(tb);
+    tables[d][fn] = std::move(tb);
   });
-  return *tables[d][f];
+  return *tables[d][fn];
 }
 
 const uint16_t* at16(const void* p, int64_t i) { return static_cast<const uint16_t*>(p) + i; }
 uint16_t* at16(void* p, int64_t i) { return static_cast<uint16_t*>(p) + i; }
 
-}  // namespace
-
-void gelu(const void* x, void* y, DType t, int64_t n, bool tanh) {
-  const Tables& tb = gelu_tables(t, tanh);
+void apply(const void* x, void* y, DType t, int64_t n, Fn fn) {
+  const Tables& tb = tables_of(t, fn);
   const auto* k = cpu_kernels().lookup;
   at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
     k->map16(at16(x, b), at16(y, b), e - b, tb.y.data());
   });
 }
 
-void gelu_backward(const void* g, const void* x, void* dx, DType t, int64_t n, bool tanh) {
-  const Tables& tb = gelu_tables(t, tanh);
+void apply_backward(const void* g, const void* x, void* dx, DType t, int64_t n, Fn fn) {
+  const Tables& tb = tables_of(t, fn);
   const auto* k = cpu_kernels().lookup;
   at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
     k->scale16(at16(g, b), at16(x, b), at16(dx, b), e - b, tb.dy.data(), t);
   });
+}
+
+}  // namespace
+
+void gelu(const void* x, void* y, DType t, int64_t n, bool tanh) {
+  apply(x, y, t, n, tanh ? kGeluTanh : kGeluErf);
+}
+
+void gelu_backward(const void* g, const void* x, void* dx, DType t, int64_t n, bool tanh) {
+  apply_backward(g, x, dx, t, n, tanh ? kGeluTanh : kGeluErf);
+}
+
+void silu(const void* x, void* y, DType t, int64_t n) { apply(x, y, t, n, kSilu); }
+
+void silu_backward(const void* g, const void* x, void* dx, DType t, int64_t n) {
+  apply_backward(g, x, dx, t, n, kSilu);
 }
 
 }  // namespace apex::kernels::cpu
