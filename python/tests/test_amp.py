@@ -308,6 +308,30 @@ def test_cpu_half_fallback_in_place_and_out_variants(forced_fallback, dtype):
     assert out_mm.shape == (5, 2) and ops["mm out"]() is out_mm
 
 
+@pytest.mark.regular_ops
+def test_cpu_half_fallback_lstm_gru(forced_fallback):
+    """nn.LSTM/nn.GRU cast to bf16 run as the fp32 layer on the widened values in the scope (torch
+    steps through them in bf16, tens of times slower), outputs rounded once, gradients reaching
+    the half weights."""
+    torch.manual_seed(4)
+    calls = torch.ops.apex_cpp._cpu_half_route_calls
+    for cls in (torch.nn.LSTM, torch.nn.GRU):
+        half = cls(6, 5, num_layers=2, batch_first=True).bfloat16()
+        ref = copy.deepcopy(half).float()
+        x = torch.randn(3, 7, 6).bfloat16()
+        with amp.cpu_half_fallback():
+            before = calls()
+            y = half(x)[0]
+            assert calls() > before
+            y.float().sum().backward()
+        want = ref(x.float())[0]
+        want.sum().backward()
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y, want.bfloat16(), rtol=0, atol=0)
+        for p, q in zip(half.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad.bfloat16(), rtol=0, atol=0)
+
+
 def _ordinal(t):
     """Each 16-bit float's position on the number line (neighbours differ by one, -0 == +0)."""
     b = t.view(torch.int16).to(torch.int32)

@@ -15,6 +15,10 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/gelu_backward_cpu_dispatch.h>
 #include <ATen/ops/gelu_cpu_dispatch.h>
+#include <ATen/ops/gru.h>
+#include <ATen/ops/gru_compositeimplicitautograd_dispatch.h>
+#include <ATen/ops/lstm.h>
+#include <ATen/ops/lstm_compositeimplicitautograd_dispatch.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
 #include <ATen/ops/silu_backward_cpu_dispatch.h>
 #include <ATen/ops/silu_cpu_dispatch.h>
@@ -56,7 +60,7 @@ bool is_half(const at::Tensor& t) {
 }
 
 // Every tensor defined, on the CPU, of one half dtype: the calls the fallback takes.
-bool take(std::initializer_list<const at::Tensor*> ts) {
+bool take(c10::ArrayRef<const at::Tensor*> ts) {
   if (active_depth == 0) return false;
   std::optional<at::ScalarType> dtype;
   for (const at::Tensor* t : ts) {
@@ -364,6 +368,54 @@ at::Tensor silu_backward(const at::Tensor& grad, const at::Tensor& x) {
   return dx;
 }
 
+// LSTM and GRU (the unpacked forms): in a half dtype LibTorch runs them step by step, a few small
+// ops per step (6.5x the fp32 time for one sequence of 100 steps, 2.6x for a batch of 16, under
+// AVX2), where fp32 runs oneDNN's fused RNN. The whole layer stack is run in fp32 on the widened
+// input, state and weights and its outputs rounded once. Registered for AutogradCPU (and CPU, for
+// inference mode), above autograd, so that the widenings are part of the graph: gradients reach
+// the half weights through them. Elsewhere the op's own composite implementation.
+bool take_all(const at::Tensor& input, at::TensorList a, at::TensorList b) {
+  std::vector<const at::Tensor*> ts{&input};
+  for (const at::Tensor& t : a) ts.push_back(&t);
+  for (const at::Tensor& t : b) ts.push_back(&t);
+  return take(ts);
+}
+
+std::vector<at::Tensor> wide_all(at::TensorList ts) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const at::Tensor& t : ts) out.push_back(wide(t));
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm(const at::Tensor& input, at::TensorList hx,
+                                                    at::TensorList params, bool has_biases,
+                                                    int64_t num_layers, double dropout, bool train,
+                                                    bool bidirectional, bool batch_first) {
+  if (!take_all(input, hx, params)) {
+    return at::compositeimplicitautograd::lstm(input, hx, params, has_biases, num_layers, dropout,
+                                               train, bidirectional, batch_first);
+  }
+  auto [out, h, c] = at::lstm(wide(input), wide_all(hx), wide_all(params), has_biases, num_layers,
+                              dropout, train, bidirectional, batch_first);
+  const auto t = input.scalar_type();
+  return {out.to(t), h.to(t), c.to(t)};
+}
+
+std::tuple<at::Tensor, at::Tensor> gru(const at::Tensor& input, const at::Tensor& hx,
+                                       at::TensorList params, bool has_biases, int64_t num_layers,
+                                       double dropout, bool train, bool bidirectional,
+                                       bool batch_first) {
+  if (!take_all(input, hx, params)) {
+    return at::compositeimplicitautograd::gru(input, hx, params, has_biases, num_layers, dropout,
+                                              train, bidirectional, batch_first);
+  }
+  auto [out, h] = at::gru(wide(input), wide(hx), wide_all(params), has_biases, num_layers, dropout,
+                          train, bidirectional, batch_first);
+  const auto t = input.scalar_type();
+  return {out.to(t), h.to(t)};
+}
+
 // Our CPU kernels replace the dispatcher's for these ops; the dispatcher says so once per op
 // with a warning that is no news to anyone here.
 struct QuietRegistration : c10::WarningHandler {
@@ -403,6 +455,12 @@ void register_kernels() {
     lib->impl("silu", TORCH_FN(silu));
     lib->impl("silu_", TORCH_FN(silu_));
     lib->impl("silu_backward", TORCH_FN(silu_backward));
+    lib->impl("lstm.input", TORCH_FN(lstm));
+    lib->impl("gru.input", TORCH_FN(gru));
+    static auto* autograd = new torch::Library(torch::Library::IMPL, "aten",
+                                               c10::DispatchKey::AutogradCPU, __FILE__, __LINE__);
+    autograd->impl("lstm.input", TORCH_FN(lstm));
+    autograd->impl("gru.input", TORCH_FN(gru));
     lib->impl("_scaled_dot_product_flash_attention_for_cpu", TORCH_FN(flash_attention));
     lib->impl("_scaled_dot_product_flash_attention_for_cpu_backward",
               TORCH_FN(flash_attention_backward));

@@ -280,6 +280,58 @@ TEST(CpuHalfFallback, GradientsEqualFp32RoundedOnce) {
   }
 }
 
+// LSTM and GRU (torch::nn modules cast to half, as O2 does): the fp32 layer on the widened
+// values, outputs rounded once; gradients of the half weights and input through the widenings;
+// inference mode too; outside a scope LibTorch's composite, step by step in the half dtype.
+TEST(CpuHalfFallback, LstmAndGruRunInFp32) {
+  const ForceAvailable force;
+  for (const auto t : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(t));
+    torch::nn::LSTM lstm(torch::nn::LSTMOptions(6, 5).num_layers(2).batch_first(true));
+    torch::nn::GRU gru(torch::nn::GRUOptions(6, 5).bidirectional(true));
+    lstm->to(t);
+    gru->to(t);
+    const at::Tensor x = exact({3, 7, 6}, t, 80);
+    std::vector<at::Tensor> got[2];  // [0]: the fp32 modules on the widened values
+    for (const bool half : {false, true}) {
+      auto l = std::dynamic_pointer_cast<torch::nn::LSTMImpl>(lstm->clone());
+      auto g = std::dynamic_pointer_cast<torch::nn::GRUImpl>(gru->clone());
+      if (!half) {
+        l->to(at::kFloat);
+        g->to(at::kFloat);
+      }
+      // One input per module: a tensor feeding both would get two rounded gradients added.
+      const at::Tensor in = (half ? x : x.to(at::kFloat)).requires_grad_();
+      const at::Tensor in_g = (half ? x : x.to(at::kFloat)).clone().detach().requires_grad_();
+      const CpuHalfFallbackGuard guard(half);
+      const uint64_t before = apex::amp::detail::cpu_half_route_calls();
+      const at::Tensor y = std::get<0>(l->forward(in));
+      const at::Tensor z = std::get<0>(g->forward(in_g));
+      if (half) {
+        EXPECT_GE(apex::amp::detail::cpu_half_route_calls(), before + 2);
+      }
+      (y.to(at::kFloat).sum() + z.to(at::kFloat).sum()).backward();
+      got[half] = {y,
+                   z,
+                   in.grad(),
+                   in_g.grad(),
+                   l->named_parameters()["weight_hh_l1"].grad(),
+                   g->named_parameters()["weight_ih_l0_reverse"].grad()};
+    }
+    EXPECT_TRUE(got[1][0].equal(got[0][0].to(t)));  // bit for bit: the same fp32 computation
+    EXPECT_TRUE(got[1][1].equal(got[0][1].to(t)));
+    for (size_t i = 2; i < got[0].size(); ++i) {
+      EXPECT_EQ(got[1][i].scalar_type(), t);
+      EXPECT_TRUE(rounded_once(got[1][i], got[0][i])) << "gradient " << i;
+    }
+    const CpuHalfFallbackGuard guard;
+    const c10::InferenceMode inference;
+    const uint64_t before = apex::amp::detail::cpu_half_route_calls();
+    EXPECT_TRUE(std::get<0>(lstm->forward(x)).equal(got[1][0]));
+    EXPECT_GT(apex::amp::detail::cpu_half_route_calls(), before);
+  }
+}
+
 // conv_tbc (fairseq's ConvTBC, on autocast's half list) adds one product per kernel tap into
 // its output with addmm_, so its result is rounded after each tap, by LibTorch's half kernel as
 // by the route: the two agree (to one unit where their fp32 sums differ in order), and not with a
