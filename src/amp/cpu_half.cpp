@@ -1,7 +1,8 @@
 // The CPU half-precision fallback (apex/amp/cpu_half.h): CPU-key kernels for the matrix-product
-// ops and GELU, registered once on first use, that compute through fp32 while a guard is active in
-// the calling thread and otherwise call LibTorch's own CPU kernel (at::cpu::*, the kernel the
-// dispatcher had) unchanged.
+// ops, convolution, flash attention, GELU and SiLU (and AutogradCPU ones for LSTM and GRU),
+// registered once on first use, that compute through fp32 (or apex's own half kernels) while a
+// guard is active in the calling thread and otherwise call LibTorch's own kernel (at::cpu::*, the
+// kernel the dispatcher had) unchanged.
 #include <ATen/ExpandUtils.h>
 #include <ATen/native/Resize.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward_cpu_dispatch.h>
@@ -369,8 +370,8 @@ at::Tensor silu_backward(const at::Tensor& grad, const at::Tensor& x) {
 }
 
 // LSTM and GRU (the unpacked forms): in a half dtype LibTorch runs them step by step, a few small
-// ops per step (6.5x the fp32 time for one sequence of 100 steps, 2.6x for a batch of 16, under
-// AVX2), where fp32 runs oneDNN's fused RNN. The whole layer stack is run in fp32 on the widened
+// ops per step (8-27x the fp32 time under the AVX2 emulation, docs/benchmarks.md), where fp32 runs
+// oneDNN's fused RNN. The whole layer stack is run in fp32 on the widened
 // input, state and weights and its outputs rounded once. Registered for AutogradCPU (and CPU, for
 // inference mode), above autograd, so that the widenings are part of the graph: gradients reach
 // the half weights through them. Elsewhere the op's own composite implementation.
