@@ -312,7 +312,7 @@ def test_cpu_half_fallback_in_place_and_out_variants(forced_fallback, dtype):
 def test_cpu_half_fallback_lstm_gru(forced_fallback):
     """nn.LSTM/nn.GRU cast to bf16 run as the fp32 layer on the widened values in the scope (torch
     steps through them in bf16, tens of times slower), outputs rounded once, gradients reaching
-    the half weights."""
+    the half weights; on packed sequences too."""
     torch.manual_seed(4)
     calls = torch.ops.apex_cpp._cpu_half_route_calls
     for cls in (torch.nn.LSTM, torch.nn.GRU):
@@ -330,6 +330,12 @@ def test_cpu_half_fallback_lstm_gru(forced_fallback):
         torch.testing.assert_close(y, want.bfloat16(), rtol=0, atol=0)
         for p, q in zip(half.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad.bfloat16(), rtol=0, atol=0)
+        # Packed sequences (variable lengths) likewise.
+        pack = torch.nn.utils.rnn.pack_padded_sequence
+        with amp.cpu_half_fallback():
+            got = half(pack(x, [7, 4, 2], batch_first=True))[0].data
+        want = ref(pack(x.float(), [7, 4, 2], batch_first=True))[0].data
+        torch.testing.assert_close(got, want.bfloat16(), rtol=0, atol=0)
 
 
 def _ordinal(t):

@@ -369,7 +369,7 @@ at::Tensor silu_backward(const at::Tensor& grad, const at::Tensor& x) {
   return dx;
 }
 
-// LSTM and GRU (the unpacked forms): in a half dtype LibTorch runs them step by step, a few small
+// LSTM and GRU: in a half dtype LibTorch runs them step by step, a few small
 // ops per step (8-27x the fp32 time under the AVX2 emulation, docs/benchmarks.md), where fp32 runs
 // oneDNN's fused RNN. The whole layer stack is run in fp32 on the widened
 // input, state and weights and its outputs rounded once. Registered for AutogradCPU (and CPU, for
@@ -417,6 +417,34 @@ std::tuple<at::Tensor, at::Tensor> gru(const at::Tensor& input, const at::Tensor
   return {out.to(t), h.to(t)};
 }
 
+// Packed sequences: batch_sizes (int64) passed as it is.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_packed(
+    const at::Tensor& data, const at::Tensor& batch_sizes, at::TensorList hx, at::TensorList params,
+    bool has_biases, int64_t num_layers, double dropout, bool train, bool bidirectional) {
+  if (!take_all(data, hx, params)) {
+    return at::compositeimplicitautograd::lstm(data, batch_sizes, hx, params, has_biases,
+                                               num_layers, dropout, train, bidirectional);
+  }
+  auto [out, h, c] = at::lstm(wide(data), batch_sizes, wide_all(hx), wide_all(params), has_biases,
+                              num_layers, dropout, train, bidirectional);
+  const auto t = data.scalar_type();
+  return {out.to(t), h.to(t), c.to(t)};
+}
+
+std::tuple<at::Tensor, at::Tensor> gru_packed(const at::Tensor& data, const at::Tensor& batch_sizes,
+                                              const at::Tensor& hx, at::TensorList params,
+                                              bool has_biases, int64_t num_layers, double dropout,
+                                              bool train, bool bidirectional) {
+  if (!take_all(data, hx, params)) {
+    return at::compositeimplicitautograd::gru(data, batch_sizes, hx, params, has_biases, num_layers,
+                                              dropout, train, bidirectional);
+  }
+  auto [out, h] = at::gru(wide(data), batch_sizes, wide(hx), wide_all(params), has_biases,
+                          num_layers, dropout, train, bidirectional);
+  const auto t = data.scalar_type();
+  return {out.to(t), h.to(t)};
+}
+
 // Our CPU kernels replace the dispatcher's for these ops; the dispatcher says so once per op
 // with a warning that is no news to anyone here.
 struct QuietRegistration : c10::WarningHandler {
@@ -456,12 +484,14 @@ void register_kernels() {
     lib->impl("silu", TORCH_FN(silu));
     lib->impl("silu_", TORCH_FN(silu_));
     lib->impl("silu_backward", TORCH_FN(silu_backward));
-    lib->impl("lstm.input", TORCH_FN(lstm));
-    lib->impl("gru.input", TORCH_FN(gru));
     static auto* autograd = new torch::Library(torch::Library::IMPL, "aten",
                                                c10::DispatchKey::AutogradCPU, __FILE__, __LINE__);
-    autograd->impl("lstm.input", TORCH_FN(lstm));
-    autograd->impl("gru.input", TORCH_FN(gru));
+    for (torch::Library* l : {lib, autograd}) {
+      l->impl("lstm.input", TORCH_FN(lstm));
+      l->impl("lstm.data", TORCH_FN(lstm_packed));
+      l->impl("gru.input", TORCH_FN(gru));
+      l->impl("gru.data", TORCH_FN(gru_packed));
+    }
     lib->impl("_scaled_dot_product_flash_attention_for_cpu", TORCH_FN(flash_attention));
     lib->impl("_scaled_dot_product_flash_attention_for_cpu_backward",
               TORCH_FN(flash_attention_backward));

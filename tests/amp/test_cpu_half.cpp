@@ -282,7 +282,8 @@ TEST(CpuHalfFallback, GradientsEqualFp32RoundedOnce) {
 
 // LSTM and GRU (torch::nn modules cast to half, as O2 does): the fp32 layer on the widened
 // values, outputs rounded once; gradients of the half weights and input through the widenings;
-// inference mode too; outside a scope LibTorch's composite, step by step in the half dtype.
+// packed sequences and inference mode too; outside a scope LibTorch's composite, step by step in
+// the half dtype.
 TEST(CpuHalfFallback, LstmAndGruRunInFp32) {
   const ForceAvailable force;
   for (const auto t : {at::kBFloat16, at::kHalf}) {
@@ -325,6 +326,23 @@ TEST(CpuHalfFallback, LstmAndGruRunInFp32) {
       EXPECT_TRUE(rounded_once(got[1][i], got[0][i])) << "gradient " << i;
     }
     const CpuHalfFallbackGuard guard;
+    // Packed sequences (lengths 7, 4, 2): the same values as the fp32 layers on them.
+    namespace rnn = torch::nn::utils::rnn;
+    const at::Tensor lengths = at::tensor({7, 4, 2}, at::kLong);
+    const auto packed = [&](const at::Tensor& v) {
+      return rnn::pack_padded_sequence(v, lengths, /*batch_first=*/true);
+    };
+    auto l32 = std::dynamic_pointer_cast<torch::nn::LSTMImpl>(lstm->clone());
+    auto g32 = std::dynamic_pointer_cast<torch::nn::GRUImpl>(gru->clone());
+    l32->to(at::kFloat);
+    g32->to(at::kFloat);
+    const uint64_t before_packed = apex::amp::detail::cpu_half_route_calls();
+    const at::Tensor pl = std::get<0>(lstm->forward_with_packed_input(packed(x))).data();
+    const at::Tensor pg = std::get<0>(gru->forward_with_packed_input(packed(x))).data();
+    EXPECT_GE(apex::amp::detail::cpu_half_route_calls(), before_packed + 2);
+    const at::Tensor xf = x.to(at::kFloat);
+    EXPECT_TRUE(pl.equal(std::get<0>(l32->forward_with_packed_input(packed(xf))).data().to(t)));
+    EXPECT_TRUE(pg.equal(std::get<0>(g32->forward_with_packed_input(packed(xf))).data().to(t)));
     const c10::InferenceMode inference;
     const uint64_t before = apex::amp::detail::cpu_half_route_calls();
     EXPECT_TRUE(std::get<0>(lstm->forward(x)).equal(got[1][0]));

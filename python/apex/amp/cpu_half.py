@@ -5,7 +5,7 @@ On a CPU without AVX512-BF16, AMX or AVX512-FP16 (every AVX2-only x86 CPU), torc
 bf16 and fp16 matrices in a scalar loop: ``torch.autocast("cpu")`` trains tens of times slower than
 fp32 there. In a ``cpu_half_fallback()`` scope, bf16/fp16 ``mm``, ``addmm``, ``bmm``,
 ``baddbmm``, ``addbmm`` (so ``linear``, ``matmul`` and ``conv_tbc``; in place and ``out=`` too),
-``nn.LSTM``/``nn.GRU`` on unpacked input, convolutions and the CPU flash attention run as torch's
+``nn.LSTM``/``nn.GRU``, convolutions and the CPU flash attention run as torch's
 fp32 kernels on exactly widened inputs, their outputs rounded once to the half dtype, and GELU
 and SiLU (forward and backward) read a correctly rounded table per half dtype. The scope
 belongs to the thread that opens it; where torch's half path is fast it does nothing (per
