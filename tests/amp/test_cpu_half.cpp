@@ -70,7 +70,8 @@ std::vector<Case> cases() {
        [](const Input& in) {
          return at::mm(in({0, 3}, 5), in({3, 4}, 6));
        }},
-      // One row or one column: the matrix read in place (kernels/gemv.h), in either layout.
+      // One row or one column: the matrix read in place (kernels/gemv.h), in either layout; a few
+      // rows or columns too where the matrix has 64 Ki elements or more.
       {"mm one row (b's columns strided: by columns)",
        [](const Input& in) {
          return at::mm(in({1, 33}, 44), in({33, 1100}, 45));
@@ -90,16 +91,16 @@ std::vector<Case> cases() {
        }},
       {"mm five rows (four vectors, then one), by columns and by rows",
        [](const Input& in) {
-         return at::cat({at::mm(in({5, 40}, 62), in({40, 530}, 63)),
-                         at::mm(in({5, 40}, 70), in({530, 40}, 64).t())});
+         return at::cat({at::mm(in({5, 40}, 62), in({40, 1700}, 63)),
+                         at::mm(in({5, 40}, 70), in({1700, 40}, 64).t())});
        }},
       {"mm six columns, a transposed",
        [](const Input& in) {
-         return at::mm(in({35, 600}, 65).t(), in({35, 6}, 66));
+         return at::mm(in({35, 2000}, 65).t(), in({35, 6}, 66));
        }},
       {"addmm eight rows (small-batch linear)",
        [](const Input& in) {
-         return at::addmm(in({1, 70}, 67), in({8, 33}, 68), in({70, 33}, 69).t(), 1.0, 0.5);
+         return at::addmm(in({1, 2000}, 67), in({8, 33}, 68), in({2000, 33}, 69).t(), 1.0, 0.5);
        }},
       {"mm one row, b strided both ways (widened)",
        [](const Input& in) {
