@@ -101,7 +101,7 @@ at::Tensor vector_product(const at::Tensor& a, const at::Tensor& b) {
   const bool k_contiguous = mat.stride(1) == 1 || k == 1;
   if (!k_contiguous && mat.stride(0) != 1 && rows > 1) return {};
   const int64_t ld = k_contiguous ? mat.stride(0) : mat.stride(1);
-  const at::Tensor v = vecs.to(at::kFloat).contiguous();
+  const at::Tensor v = vecs.to(at::kFloat, false, false, at::MemoryFormat::Contiguous);
   at::Tensor y = at::empty({vecs.size(0), rows}, a.options().dtype(at::kFloat));
   kernels::cpu::half_gemv(mat.const_data_ptr(), bridge::kernel_dtype(a, "mm"), rows, k,
                           k_contiguous, ld, v.const_data_ptr<float>(), vecs.size(0),
@@ -135,7 +135,7 @@ at::Tensor addmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& 
     if (at::Tensor y = vector_product(a, b); y.defined()) {
       // beta * self + alpha * (a @ b) in fp32, as the fp32 kernel (self ignored where beta is 0).
       if (alpha.toDouble() != 1) y.mul_(alpha);
-      if (beta.toDouble() != 0) y.add_(wide(self), beta);
+      if (beta.toDouble() != 0) y.add_(self, beta);  // self widened as it is read
       return rounded(y, a.scalar_type());
     }
   }
