@@ -48,7 +48,7 @@ float sum_lanes(Lanes v) {
   return s;
 }
 
-// Up to kMaxVectors vectors at once, so that a few rows (a small batch) read the matrix once.
+// NV (up to four) vectors at once, so that a few rows (a small batch) read the matrix once.
 // Per row and vector, U independent sums of kVec lanes (four for one vector, to hide the add
 // latency; two for more, which are independent already), added in order at the end.
 template <bool kBf16, int NV>
