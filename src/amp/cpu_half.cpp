@@ -89,6 +89,7 @@ constexpr int64_t kMinMatrixForVectors = int64_t{1} << 16;
 // the vectors. Widening all of M for them cost 2-5x the fp32 product. Undefined for larger
 // products, or where M is strided in both dimensions (the caller widens then).
 at::Tensor vector_product(const at::Tensor& a, const at::Tensor& b) {
+  if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0)) return {};
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
   if (std::min(m, n) > kMaxVectors || m == 0 || n == 0 || k == 0) return {};
   // Few rows: C = (b^T a^T)^T, M = b^T [n, k], the vectors a's rows, the result C. Few columns:
@@ -116,9 +117,7 @@ at::Tensor rounded(const at::Tensor& y, at::ScalarType t) {
 
 at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
   if (!take({&a, &b})) return at::cpu::mm(a, b);
-  if (a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0)) {
-    if (const at::Tensor y = vector_product(a, b); y.defined()) return rounded(y, a.scalar_type());
-  }
+  if (const at::Tensor y = vector_product(a, b); y.defined()) return rounded(y, a.scalar_type());
   return at::cpu::mm(wide(a), wide(b)).to(a.scalar_type());
 }
 
@@ -130,8 +129,8 @@ at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
 at::Tensor addmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
                  const at::Scalar& beta, const at::Scalar& alpha) {
   if (!take({&self, &a, &b})) return at::cpu::addmm(self, a, b, beta, alpha);
-  if (a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0) && !beta.isComplex() &&
-      !alpha.isComplex() && at::is_expandable_to(self.sizes(), {a.size(0), b.size(1)})) {
+  if (a.dim() == 2 && b.dim() == 2 && !beta.isComplex() && !alpha.isComplex() &&
+      at::is_expandable_to(self.sizes(), {a.size(0), b.size(1)})) {
     if (at::Tensor y = vector_product(a, b); y.defined()) {
       // beta * self + alpha * (a @ b) in fp32, as the fp32 kernel (self ignored where beta is 0).
       if (alpha.toDouble() != 1) y.mul_(alpha);
@@ -321,6 +320,13 @@ std::optional<bool> gelu_tanh(c10::string_view approximate) {
   return std::nullopt;
 }
 
+// The table kernels' backward reads the gradient and the input element by element alike: a
+// dense input and a gradient of its sizes and strides.
+bool dense_alike(const at::Tensor& grad, const at::Tensor& x) {
+  return x.is_non_overlapping_and_dense() && grad.sizes() == x.sizes() &&
+         grad.strides() == x.strides();
+}
+
 at::Tensor gelu(const at::Tensor& x, c10::string_view approximate) {
   const auto tanh = gelu_tanh(approximate);
   if (!take({&x}) || !tanh || !x.is_non_overlapping_and_dense()) {
@@ -335,8 +341,7 @@ at::Tensor gelu(const at::Tensor& x, c10::string_view approximate) {
 at::Tensor gelu_backward(const at::Tensor& grad, const at::Tensor& x,
                          c10::string_view approximate) {
   const auto tanh = gelu_tanh(approximate);
-  if (!take({&grad, &x}) || !tanh || !x.is_non_overlapping_and_dense() ||
-      grad.sizes() != x.sizes() || grad.strides() != x.strides()) {
+  if (!take({&grad, &x}) || !tanh || !dense_alike(grad, x)) {
     return at::cpu::gelu_backward(grad, x, approximate);
   }
   at::Tensor dx = at::empty_like(x);
@@ -363,10 +368,7 @@ at::Tensor& silu_(at::Tensor& x) {
 }
 
 at::Tensor silu_backward(const at::Tensor& grad, const at::Tensor& x) {
-  if (!take({&grad, &x}) || !x.is_non_overlapping_and_dense() || grad.sizes() != x.sizes() ||
-      grad.strides() != x.strides()) {
-    return at::cpu::silu_backward(grad, x);
-  }
+  if (!take({&grad, &x}) || !dense_alike(grad, x)) return at::cpu::silu_backward(grad, x);
   at::Tensor dx = at::empty_like(x);
   kernels::cpu::silu_backward(grad.const_data_ptr(), x.const_data_ptr(), dx.mutable_data_ptr(),
                               bridge::kernel_dtype(x, "silu"), x.numel());

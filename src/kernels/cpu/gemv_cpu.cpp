@@ -25,15 +25,14 @@ void half_gemv(const void* m, DType t, int64_t rows, int64_t k, bool k_contiguou
       }
     }
   };
-  // About 64 Ki elements of the matrix per task. Column-major ranges are whole 512-row blocks,
-  // so which rows the kernel takes in vector lanes and which in its scalar tail does not depend
-  // on the split.
+  // About 64 Ki elements of the matrix per task; column-major ranges are whole kGemvRowBlock
+  // blocks (isa.h).
   const int64_t per_row = k > 0 ? k : 1;
   if (k_contiguous) {
     at::parallel_for(0, rows, (int64_t{1} << 16) / per_row + 1, each_group);
     return;
   }
-  constexpr int64_t kBlock = 512;
+  constexpr int64_t kBlock = kGemvRowBlock;
   const int64_t blocks = (rows + kBlock - 1) / kBlock;
   at::parallel_for(
       0, blocks, (int64_t{1} << 16) / (per_row * kBlock) + 1,

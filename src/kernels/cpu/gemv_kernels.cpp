@@ -80,8 +80,8 @@ void dot_rows_t(const uint16_t* m, int64_t ld, int64_t rows, int64_t k, const fl
   }
 }
 
-// Rows in blocks whose fp32 sums stay in L1; within a block each column adds its scaled elements.
-constexpr int64_t kBlock = 512;
+// Rows in blocks of kGemvRowBlock (isa.h); within a block each column adds its scaled elements.
+constexpr int64_t kBlock = kGemvRowBlock;
 
 template <bool kBf16, int NV>
 void axpy_cols_t(const uint16_t* m, int64_t ld, int64_t rows, int64_t k, const float* v,
