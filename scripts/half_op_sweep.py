@@ -52,7 +52,7 @@ def cases():
             return lambda: run(m, x)
         return make
 
-    def lstm_step(m, x):
+    def rnn_step(m, x):
         m(x)[0].sum().backward()
 
     def mha(m, x):
@@ -93,7 +93,9 @@ def cases():
         "MultiheadAttention (no grad)": module(
             lambda: nn.MultiheadAttention(256, 4, batch_first=True), (32, 64, 256), mha),
         "LSTM fwd+bwd": module(lambda: nn.LSTM(256, 256, batch_first=True), (16, 32, 256),
-                               lstm_step),
+                               rnn_step),
+        "RNN tanh fwd+bwd": module(lambda: nn.RNN(256, 256, batch_first=True), (16, 32, 256),
+                                   rnn_step),
         "GRU fwd": module(lambda: nn.GRU(256, 256, batch_first=True), (16, 32, 256),
                           lambda m, x: m(x)),
         "softmax": unary((4096, 1024), lambda a: torch.softmax(a, -1)),

@@ -1,6 +1,7 @@
 """apex.amp: apex's README example at every opt level converging like fp32, overflow injection
 skipping exactly those steps, state_dict round trips, the private names real code touches."""
 import copy
+import functools
 
 import pytest
 import torch
@@ -310,12 +311,13 @@ def test_cpu_half_fallback_in_place_and_out_variants(forced_fallback, dtype):
 
 @pytest.mark.regular_ops
 def test_cpu_half_fallback_lstm_gru(forced_fallback):
-    """nn.LSTM/nn.GRU cast to bf16 run as the fp32 layer on the widened values in the scope (torch
-    steps through them in bf16, tens of times slower), outputs rounded once, gradients reaching
-    the half weights; on packed sequences too."""
+    """nn.LSTM/nn.GRU/nn.RNN cast to bf16 run as the fp32 layer on the widened values in the scope
+    (torch steps through them in bf16, tens of times slower), outputs rounded once, gradients
+    reaching the half weights; on packed sequences too."""
     torch.manual_seed(4)
     calls = torch.ops.apex_cpp._cpu_half_route_calls
-    for cls in (torch.nn.LSTM, torch.nn.GRU):
+    relu_rnn = functools.partial(torch.nn.RNN, nonlinearity="relu")
+    for cls in (torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN, relu_rnn):
         half = cls(6, 5, num_layers=2, batch_first=True).bfloat16()
         ref = copy.deepcopy(half).float()
         x = torch.randn(3, 7, 6).bfloat16()
@@ -336,6 +338,42 @@ def test_cpu_half_fallback_lstm_gru(forced_fallback):
             got = half(pack(x, [7, 4, 2], batch_first=True))[0].data
         want = ref(pack(x.float(), [7, 4, 2], batch_first=True))[0].data
         torch.testing.assert_close(got, want.bfloat16(), rtol=0, atol=0)
+
+
+@pytest.mark.regular_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_half_fallback_matrix_vector(forced_fallback, dtype):
+    """mv, addmv (its in-place and out= forms) and matmul of a matrix and a vector take the route:
+    the matrix read in place by apex's vector kernels (torch's own bf16 addmv is ~4x its fp32
+    one on AVX2), the fp32 result on the same values rounded once, to one unit in the last place
+    (the kernels sum in another order than torch's fp32 one)."""
+    g = torch.Generator().manual_seed(5)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    m, v, s = r(300, 700), r(700), r(300)
+    w = lambda t: t.float()  # noqa: E731
+    out = torch.empty(0, dtype=dtype)
+    cases = {
+        "mv": (lambda: torch.mv(m, v), torch.mv(w(m), w(v))),
+        "mv transposed": (lambda: torch.mv(m.t(), v[:300]), torch.mv(w(m).t(), w(v[:300]))),
+        "addmv": (lambda: torch.addmv(s, m, v, beta=0.5, alpha=2.0),
+                  torch.addmv(w(s), w(m), w(v), beta=0.5, alpha=2.0)),
+        "addmv_": (lambda: s.clone().addmv_(m, v), w(s).addmv_(w(m), w(v))),
+        "addmv out": (lambda: torch.addmv(s, m, v, out=out), torch.addmv(w(s), w(m), w(v))),
+        "matmul": (lambda: m @ v, w(m) @ w(v)),
+    }
+    calls = torch.ops.apex_cpp._cpu_half_route_calls
+    for k, (op, want) in cases.items():
+        with amp.cpu_half_fallback():
+            before = calls()
+            got = op()
+            assert calls() > before, f"{k} was left to torch's half kernel"
+        assert got.dtype == dtype and got.shape == want.shape, k
+        off = (_ordinal(got) - _ordinal(want.to(dtype))).abs().max().item()
+        assert off <= 1, f"{k}: {off} units from fp32 rounded once"
+    assert out.shape == (300,)
 
 
 def _ordinal(t):

@@ -1,5 +1,5 @@
 // The CPU half-precision fallback (apex/amp/cpu_half.h): CPU-key kernels for the matrix-product
-// ops, convolution, flash attention, GELU and SiLU (and AutogradCPU ones for LSTM and GRU),
+// ops, convolution, flash attention, GELU and SiLU (and AutogradCPU ones for the recurrent layers),
 // registered once on first use, that compute through fp32 (or apex's own half kernels) while a
 // guard is active in the calling thread and otherwise call LibTorch's own kernel (at::cpu::*, the
 // kernel the dispatcher had) unchanged.
@@ -9,6 +9,7 @@
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_cpu_dispatch.h>
 #include <ATen/ops/addbmm_cpu_dispatch.h>
 #include <ATen/ops/addmm_cpu_dispatch.h>
+#include <ATen/ops/addmv_cpu_dispatch.h>
 #include <ATen/ops/baddbmm_cpu_dispatch.h>
 #include <ATen/ops/bmm_cpu_dispatch.h>
 #include <ATen/ops/convolution_backward_compositeexplicitautograd_dispatch.h>
@@ -21,6 +22,10 @@
 #include <ATen/ops/lstm.h>
 #include <ATen/ops/lstm_compositeimplicitautograd_dispatch.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
+#include <ATen/ops/rnn_relu.h>
+#include <ATen/ops/rnn_relu_compositeimplicitautograd_dispatch.h>
+#include <ATen/ops/rnn_tanh.h>
+#include <ATen/ops/rnn_tanh_compositeimplicitautograd_dispatch.h>
 #include <ATen/ops/silu_backward_cpu_dispatch.h>
 #include <ATen/ops/silu_cpu_dispatch.h>
 #include <apex/amp/cpu_half.h>
@@ -153,6 +158,23 @@ at::Tensor addbmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor&
   return at::cpu::addbmm(wide(self), wide(a), wide(b), beta, alpha).to(a.scalar_type());
 }
 
+// Matrix-vector products (mv, and matmul or linear of a 1-D input, reach them as addmv.out): the
+// matrix read in place by the vector kernels, as a one-column mm.
+at::Tensor addmv(const at::Tensor& self, const at::Tensor& mat, const at::Tensor& vec,
+                 const at::Scalar& beta, const at::Scalar& alpha) {
+  if (!take({&self, &mat, &vec})) return at::cpu::addmv(self, mat, vec, beta, alpha);
+  if (mat.dim() == 2 && vec.dim() == 1 && !beta.isComplex() && !alpha.isComplex() &&
+      at::is_expandable_to(self.sizes(), {mat.size(0)})) {
+    if (at::Tensor y = vector_product(mat, vec.unsqueeze(1)); y.defined()) {
+      y = y.squeeze(1);
+      if (alpha.toDouble() != 1) y.mul_(alpha);
+      if (beta.toDouble() != 0) y.add_(self, beta);
+      return rounded(y, mat.scalar_type());
+    }
+  }
+  return at::cpu::addmv(wide(self), wide(mat), wide(vec), beta, alpha).to(mat.scalar_type());
+}
+
 // out= variants: the functional route's result (`amp::` so that the at:: op of the same name
 // is not found through the arguments), written into `out` as LibTorch's kernels write
 // theirs (resized where its shape differs, with LibTorch's warning if it held elements). An `out`
@@ -190,6 +212,13 @@ at::Tensor& addbmm_out(const at::Tensor& self, const at::Tensor& a, const at::Te
   return write_out(out, amp::addbmm(self, a, b, beta, alpha));
 }
 
+at::Tensor& addmv_out(const at::Tensor& self, const at::Tensor& mat, const at::Tensor& vec,
+                      const at::Scalar& beta, const at::Scalar& alpha, at::Tensor& out) {
+  if (!take({&self, &mat, &vec, &out}))
+    return at::cpu::addmv_outf(self, mat, vec, beta, alpha, out);
+  return write_out(out, amp::addmv(self, mat, vec, beta, alpha));
+}
+
 // In place: the functional route's result (computed before `self` is written, so `self` may
 // alias an operand) copied into `self` where that is the result's shape; any other `self` goes
 // to LibTorch's kernel, which refuses it with its own message.
@@ -224,6 +253,15 @@ at::Tensor& addbmm_(at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
     return at::cpu::addbmm_(self, a, b, beta, alpha);
   }
   return self.copy_(amp::addbmm(self, a, b, beta, alpha));
+}
+
+at::Tensor& addmv_(at::Tensor& self, const at::Tensor& mat, const at::Tensor& vec,
+                   const at::Scalar& beta, const at::Scalar& alpha) {
+  if (!take({&self, &mat, &vec}) || mat.dim() != 2 || self.dim() != 1 ||
+      self.size(0) != mat.size(0)) {
+    return at::cpu::addmv_(self, mat, vec, beta, alpha);
+  }
+  return self.copy_(amp::addmv(self, mat, vec, beta, alpha));
 }
 
 at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight,
@@ -375,12 +413,13 @@ at::Tensor silu_backward(const at::Tensor& grad, const at::Tensor& x) {
   return dx;
 }
 
-// LSTM and GRU: in a half dtype LibTorch runs them step by step, a few small
-// ops per step (8-27x the fp32 time under the AVX2 emulation, docs/benchmarks.md), where fp32 runs
-// oneDNN's fused RNN. The whole layer stack is run in fp32 on the widened
-// input, state and weights and its outputs rounded once. Registered for AutogradCPU (and CPU, for
-// inference mode), above autograd, so that the widenings are part of the graph: gradients reach
-// the half weights through them. Elsewhere the op's own composite implementation.
+// LSTM, GRU and the plain RNNs: in a half dtype LibTorch runs them step by step, a few small ops
+// per step (8-27x the fp32 time under the AVX2 emulation, docs/benchmarks.md), where fp32 runs
+// oneDNN's fused LSTM or MKL's products over the whole sequence. The whole layer stack is run in
+// fp32 on the widened input, state and weights and its outputs rounded once. Registered for
+// AutogradCPU (and CPU, for inference mode), above autograd, so that the widenings are part of the
+// graph: gradients reach the half weights through them. Elsewhere the op's own composite
+// implementation.
 bool take_all(const at::Tensor& input, at::TensorList a, at::TensorList b) {
   std::vector<const at::Tensor*> ts{&input};
   for (const at::Tensor& t : a) ts.push_back(&t);
@@ -409,16 +448,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm(const at::Tensor& input, at:
   return {out.to(t), h.to(t), c.to(t)};
 }
 
-std::tuple<at::Tensor, at::Tensor> gru(const at::Tensor& input, const at::Tensor& hx,
-                                       at::TensorList params, bool has_biases, int64_t num_layers,
-                                       double dropout, bool train, bool bidirectional,
-                                       bool batch_first) {
+// GRU and the plain RNNs (tanh, relu): one hidden state.
+using HiddenRnn = std::tuple<at::Tensor, at::Tensor> (*)(const at::Tensor&, const at::Tensor&,
+                                                         at::TensorList, bool, int64_t, double,
+                                                         bool, bool, bool);
+template <HiddenRnn Op, HiddenRnn Composite>
+std::tuple<at::Tensor, at::Tensor> hidden_rnn(const at::Tensor& input, const at::Tensor& hx,
+                                              at::TensorList params, bool has_biases,
+                                              int64_t num_layers, double dropout, bool train,
+                                              bool bidirectional, bool batch_first) {
   if (!take_all(input, hx, params)) {
-    return at::compositeimplicitautograd::gru(input, hx, params, has_biases, num_layers, dropout,
-                                              train, bidirectional, batch_first);
+    return Composite(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+                     batch_first);
   }
-  auto [out, h] = at::gru(wide(input), wide(hx), wide_all(params), has_biases, num_layers, dropout,
-                          train, bidirectional, batch_first);
+  auto [out, h] = Op(wide(input), wide(hx), wide_all(params), has_biases, num_layers, dropout,
+                     train, bidirectional, batch_first);
   const auto t = input.scalar_type();
   return {out.to(t), h.to(t)};
 }
@@ -437,16 +481,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_packed(
   return {out.to(t), h.to(t), c.to(t)};
 }
 
-std::tuple<at::Tensor, at::Tensor> gru_packed(const at::Tensor& data, const at::Tensor& batch_sizes,
-                                              const at::Tensor& hx, at::TensorList params,
-                                              bool has_biases, int64_t num_layers, double dropout,
-                                              bool train, bool bidirectional) {
+using PackedHiddenRnn = std::tuple<at::Tensor, at::Tensor> (*)(const at::Tensor&, const at::Tensor&,
+                                                               const at::Tensor&, at::TensorList,
+                                                               bool, int64_t, double, bool, bool);
+template <PackedHiddenRnn Op, PackedHiddenRnn Composite>
+std::tuple<at::Tensor, at::Tensor> packed_hidden_rnn(const at::Tensor& data,
+                                                     const at::Tensor& batch_sizes,
+                                                     const at::Tensor& hx, at::TensorList params,
+                                                     bool has_biases, int64_t num_layers,
+                                                     double dropout, bool train,
+                                                     bool bidirectional) {
   if (!take_all(data, hx, params)) {
-    return at::compositeimplicitautograd::gru(data, batch_sizes, hx, params, has_biases, num_layers,
-                                              dropout, train, bidirectional);
+    return Composite(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train,
+                     bidirectional);
   }
-  auto [out, h] = at::gru(wide(data), batch_sizes, wide(hx), wide_all(params), has_biases,
-                          num_layers, dropout, train, bidirectional);
+  auto [out, h] = Op(wide(data), batch_sizes, wide(hx), wide_all(params), has_biases, num_layers,
+                     dropout, train, bidirectional);
   const auto t = data.scalar_type();
   return {out.to(t), h.to(t)};
 }
@@ -475,14 +525,17 @@ void register_kernels() {
     lib->impl("addmm", TORCH_FN(addmm));
     lib->impl("baddbmm", TORCH_FN(baddbmm));
     lib->impl("addbmm", TORCH_FN(addbmm));
+    lib->impl("addmv", TORCH_FN(addmv));
     lib->impl("mm.out", TORCH_FN(mm_out));
     lib->impl("bmm.out", TORCH_FN(bmm_out));
     lib->impl("addmm.out", TORCH_FN(addmm_out));
     lib->impl("baddbmm.out", TORCH_FN(baddbmm_out));
     lib->impl("addbmm.out", TORCH_FN(addbmm_out));
+    lib->impl("addmv.out", TORCH_FN(addmv_out));
     lib->impl("addmm_", TORCH_FN(addmm_));
     lib->impl("baddbmm_", TORCH_FN(baddbmm_));
     lib->impl("addbmm_", TORCH_FN(addbmm_));
+    lib->impl("addmv_", TORCH_FN(addmv_));
     lib->impl("convolution", TORCH_FN(convolution));
     lib->impl("convolution_backward", TORCH_FN(convolution_backward));
     lib->impl("gelu", TORCH_FN(gelu));
@@ -495,8 +548,17 @@ void register_kernels() {
     for (torch::Library* l : {lib, autograd}) {
       l->impl("lstm.input", TORCH_FN(lstm));
       l->impl("lstm.data", TORCH_FN(lstm_packed));
-      l->impl("gru.input", TORCH_FN(gru));
-      l->impl("gru.data", TORCH_FN(gru_packed));
+      l->impl("gru.input", TORCH_FN((hidden_rnn<at::gru, at::compositeimplicitautograd::gru>)));
+      l->impl("gru.data",
+              TORCH_FN((packed_hidden_rnn<at::gru, at::compositeimplicitautograd::gru>)));
+      l->impl("rnn_tanh.input",
+              TORCH_FN((hidden_rnn<at::rnn_tanh, at::compositeimplicitautograd::rnn_tanh>)));
+      l->impl("rnn_tanh.data",
+              TORCH_FN((packed_hidden_rnn<at::rnn_tanh, at::compositeimplicitautograd::rnn_tanh>)));
+      l->impl("rnn_relu.input",
+              TORCH_FN((hidden_rnn<at::rnn_relu, at::compositeimplicitautograd::rnn_relu>)));
+      l->impl("rnn_relu.data",
+              TORCH_FN((packed_hidden_rnn<at::rnn_relu, at::compositeimplicitautograd::rnn_relu>)));
     }
     lib->impl("_scaled_dot_product_flash_attention_for_cpu", TORCH_FN(flash_attention));
     lib->impl("_scaled_dot_product_flash_attention_for_cpu_backward",

@@ -114,6 +114,16 @@ std::vector<Case> cases() {
        [](const Input& in) {
          return at::linear(in({33}, 58), in({70, 33}, 59), in({70}, 60));
        }},
+      {"addmv, and mv of a transposed matrix",
+       [](const Input& in) {
+         return at::cat({at::addmv(in({70}, 71), in({70, 33}, 72), in({33}, 73), 0.5, 2.0),
+                         at::mv(in({33, 70}, 74).t(), in({33}, 75))});
+       }},
+      {"addmv broadcast self, k = 0",
+       [](const Input& in) {
+         return at::cat({at::addmv(in({1}, 76), in({9, 40}, 77), in({40}, 78)),
+                         at::addmv(in({5}, 79), in({5, 0}, 80), in({0}, 81), 2.0, 1.0)});
+       }},
       {"addmm",
        [](const Input& in) {
          return at::addmm(in({4}, 7), in({6, 17}, 8), in({17, 4}, 9), 0.5, 2.0);
@@ -161,6 +171,14 @@ std::vector<Case> cases() {
          at::bmm_out(out, a, in({3, 8, 2}, 11));
          EXPECT_FALSE(out.is_contiguous());  // written in place, its layout kept
          return out;
+       },
+       false},
+      {"addmv_ in place, addmv out=",
+       [](const Input& in) {
+         const at::Tensor m = in({70, 33}, 72), v = in({33}, 73);
+         at::Tensor out = at::empty({0}, m.options());
+         at::addmv_out(out, in({70}, 71), m, v, 0.5, 2.0);
+         return at::cat({in({70}, 82).clone().addmv_(m, v, 1.0, 0.5), out});
        },
        false},
       {"addmm, baddbmm, addbmm out=",
@@ -351,6 +369,58 @@ TEST(CpuHalfFallback, LstmAndGruRunInFp32) {
   }
 }
 
+// The plain RNNs (tanh and relu) likewise: outputs bit-equal to the fp32 layer's rounded once,
+// gradients within one unit, packed sequences too.
+TEST(CpuHalfFallback, PlainRnnsRunInFp32) {
+  const ForceAvailable force;
+  for (const auto t : {at::kBFloat16, at::kHalf}) {
+    for (const auto nonlinearity : {torch::nn::RNNOptions::nonlinearity_t(torch::kTanh),
+                                    torch::nn::RNNOptions::nonlinearity_t(torch::kReLU)}) {
+      const bool tanh = std::holds_alternative<torch::enumtype::kTanh>(nonlinearity);
+      SCOPED_TRACE(std::string(c10::toString(t)) + (tanh ? " tanh" : " relu"));
+      torch::nn::RNN rnn(
+          torch::nn::RNNOptions(6, 5).num_layers(2).bidirectional(!tanh).nonlinearity(
+              nonlinearity));
+      rnn->to(t);
+      const at::Tensor x = exact({7, 3, 6}, t, 83);
+      std::vector<at::Tensor> got[2];
+      for (const bool half : {false, true}) {
+        auto r = std::dynamic_pointer_cast<torch::nn::RNNImpl>(rnn->clone());
+        if (!half) r->to(at::kFloat);
+        const at::Tensor in = (half ? x : x.to(at::kFloat)).requires_grad_();
+        const CpuHalfFallbackGuard guard(half);
+        const uint64_t before = apex::amp::detail::cpu_half_route_calls();
+        auto [y, h] = r->forward(in);
+        EXPECT_EQ(apex::amp::detail::cpu_half_route_calls() > before, half);
+        (y.to(at::kFloat).sum() + h.to(at::kFloat).sum()).backward();
+        got[half] = {y, h, in.grad(), r->named_parameters()["weight_hh_l1"].grad(),
+                     r->named_parameters()["bias_ih_l0"].grad()};
+      }
+      EXPECT_TRUE(got[1][0].equal(got[0][0].to(t)));
+      EXPECT_TRUE(got[1][1].equal(got[0][1].to(t)));
+      for (size_t i = 2; i < got[0].size(); ++i) {
+        EXPECT_EQ(got[1][i].scalar_type(), t);
+        EXPECT_TRUE(rounded_once(got[1][i], got[0][i])) << "gradient " << i;
+      }
+      namespace rnn_utils = torch::nn::utils::rnn;
+      const at::Tensor lengths = at::tensor({7, 4, 2}, at::kLong);
+      auto r32 = std::dynamic_pointer_cast<torch::nn::RNNImpl>(rnn->clone());
+      r32->to(at::kFloat);
+      const CpuHalfFallbackGuard guard;
+      const uint64_t before = apex::amp::detail::cpu_half_route_calls();
+      const at::Tensor p =
+          std::get<0>(rnn->forward_with_packed_input(rnn_utils::pack_padded_sequence(x, lengths)))
+              .data();
+      EXPECT_GT(apex::amp::detail::cpu_half_route_calls(), before);
+      EXPECT_TRUE(
+          p.equal(std::get<0>(r32->forward_with_packed_input(
+                                  rnn_utils::pack_padded_sequence(x.to(at::kFloat), lengths)))
+                      .data()
+                      .to(t)));
+    }
+  }
+}
+
 // conv_tbc (fairseq's ConvTBC, on autocast's half list) adds one product per kernel tap into
 // its output with addmm_, so its result is rounded after each tap, by LibTorch's half kernel as
 // by the route: the two agree (to one unit where their fp32 sums differ in order), and not with a
@@ -393,6 +463,9 @@ TEST(CpuHalfFallback, InPlaceAndOutVariantsRefuseWhatLibTorchRefuses) {
   EXPECT_THROW(at::mm_out(out32, a, b), c10::Error);  // LibTorch's dtype check
   EXPECT_TRUE(out32.equal(at::zeros({4, 4})));
   EXPECT_THROW(at::mm(a, exact({3, 4}, at::kBFloat16, 63)), c10::Error);
+  at::Tensor v = exact({1}, at::kBFloat16, 64);
+  EXPECT_THROW(v.addmv_(a, bias), c10::Error);
+  EXPECT_TRUE(v.equal(exact({1}, at::kBFloat16, 64)));
   // self.addmm_(self, b): the product reads self before it is overwritten.
   at::Tensor s = a.clone();
   const at::Tensor want = at::addmm(a.to(at::kFloat), a.to(at::kFloat), b.to(at::kFloat), 1, 1);

@@ -112,6 +112,26 @@ std::vector<Case> cases() {
          return fwd_bwd({x, w, b}, input({200, 32, 256}, t, 40),
                         [=] { return at::conv_tbc(x, w, b, 1); });
        }},
+      {"addmv", "addmv 4096x1024 @ 1024 (one-sample linear)", bf16, 2.0 * 4096 * 1024,
+       [](at::ScalarType t) {
+         const at::Tensor s = input({4096}, t, 43);
+         const at::Tensor m = input({4096, 1024}, t, 44);
+         const at::Tensor v = input({1024}, t, 45);
+         return std::function<void()>([s, m, v] { at::addmv(s, m, v); });
+       }},
+      {"rnn", "nn.RNN tanh 256 -> 256, 32 steps x 16, fwd+bwd", bf16,
+       3 * 2.0 * 2 * 32 * 16 * 256 * 256,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({32, 16, 256}, t, 46, true);
+         const at::Tensor h = input({1, 16, 256}, t, 47);
+         // Weights of the scale nn.RNN draws them at (1/16), so that tanh does not saturate.
+         const std::vector<at::Tensor> p = {(input({256, 256}, t, 48) * 0.0625).requires_grad_(),
+                                            (input({256, 256}, t, 49) * 0.0625).requires_grad_(),
+                                            input({256}, t, 50, true), input({256}, t, 51, true)};
+         return fwd_bwd({x, p[0], p[1], p[2], p[3]}, input({32, 16, 256}, t, 52), [=] {
+           return std::get<0>(at::rnn_tanh(x, h, p, true, 1, 0.0, true, false, false));
+         });
+       }},
       // Not on the route: LibTorch's half kernels inside the scope too (ours = LibTorch's half,
       // a measure of this method's noise). Here for their "vs fp32": the ops of apex-train's
       // models between the products, whose half kernels may be slower than fp32 on a CPU.

@@ -45,8 +45,8 @@ void usage(std::FILE* out) {
       "  --warmup N          untimed runs first (default 2)\n"
       "  --only NAME         only this model (optim: resnet50, bert; train: transformer, resnet),\n"
       "                      shape (norm: 4096x1024) or op (half: mm, linear, conv2d, conv1d,\n"
-      "                      sdpa, gelu, batch_norm, relu_add, mean, group_norm, softmax);\n"
-      "                      repeatable\n"
+      "                      sdpa, addbmm, mm_out, conv_tbc, addmv, rnn, batch_norm, relu_add,\n"
+      "                      mean, group_norm, softmax, silu, gelu); repeatable\n"
       "  --json FILE         also write the results as JSON to FILE (default: none)\n");
 }
 

@@ -25,15 +25,15 @@ bool cpu_half_fallback_available();
 /// Whether it is on now, in this thread (a CpuHalfFallbackGuard that enabled it is alive).
 bool cpu_half_fallback_active();
 
-/// In this thread, while it lives: bf16 and fp16 mm, addmm, bmm, baddbmm, addbmm (so linear,
-/// matmul and conv_tbc; their in-place and out= forms too), LSTM and GRU layers, convolution
-/// (forward and backward) and the CPU flash attention (forward and backward) on CPU tensors run as
-/// LibTorch's fp32 kernels on exactly widened inputs, outputs rounded to the half dtype (so at
-/// least as accurate as LibTorch's half kernels, which also accumulate in fp32, and bit-identical
-/// between runs); GELU and SiLU (forward and backward) of dense half tensors read a table per dtype
-/// (correctly rounded). Nested guards are fine; fp32/fp64 ops, CUDA tensors and mixed dtypes go to
-/// LibTorch's own kernels unchanged, and where the fallback is not available the guard does
-/// nothing.
+/// In this thread, while it lives: bf16 and fp16 mm, addmm, bmm, baddbmm, addbmm, addmv (so
+/// linear, matmul, mv and conv_tbc; their in-place and out= forms too), LSTM, GRU and RNN layers,
+/// convolution (forward and backward) and the CPU flash attention (forward and backward) on CPU
+/// tensors run as LibTorch's fp32 kernels on exactly widened inputs, outputs rounded to the half
+/// dtype (so at least as accurate as LibTorch's half kernels, which also accumulate in fp32, and
+/// bit-identical between runs); GELU and SiLU (forward and backward) of dense half tensors read a
+/// table per dtype (correctly rounded). Nested guards are fine; fp32/fp64 ops, CUDA tensors and
+/// mixed dtypes go to LibTorch's own kernels unchanged, and where the fallback is not available the
+/// guard does nothing.
 ///
 ///   model->to(at::kBFloat16);
 ///   { apex::amp::CpuHalfFallbackGuard fast; loss = loss_fn(model->forward(x), y); loss.backward();
