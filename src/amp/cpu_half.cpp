@@ -7,6 +7,7 @@
 #include <ATen/native/Resize.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward_cpu_dispatch.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_cpu_dispatch.h>
+#include <ATen/ops/add_cpu_dispatch.h>
 #include <ATen/ops/addbmm_cpu_dispatch.h>
 #include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/addmv_cpu_dispatch.h>
@@ -36,6 +37,7 @@
 #include "bridge/bridge.h"
 #include "kernels/activation.h"
 #include "kernels/gemv.h"
+#include "kernels/half_add.h"
 
 #include <algorithm>
 #include <atomic>
@@ -262,6 +264,34 @@ at::Tensor& addmv_(at::Tensor& self, const at::Tensor& mat, const at::Tensor& ve
     return at::cpu::addmv_(self, mat, vec, beta, alpha);
   }
   return self.copy_(amp::addmv(self, mat, vec, beta, alpha));
+}
+
+// `x += bias` with x half and the bias fp32: LibTorch's C++ Linear adds its bias this way on an
+// N-d input (matmul, then in place), and at O1 autocast leaves the product half and the bias
+// fp32. LibTorch then widens all of x into a temporary, adds, and rounds the temporary back
+// into x; here one pass (kernels/half_add.h), the same fp32 sums rounded once. Taken for a
+// contiguous x and a contiguous fp32 `other` of x's trailing sizes (leading ones dropped), at
+// least 1-D (a 0-dim fp32 tensor does not promote a half x: LibTorch rounds it first).
+bool is_trailing_vector(const at::Tensor& self, const at::Tensor& other) {
+  if (other.dim() == 0 || other.dim() > self.dim() || other.numel() == 0) return false;
+  at::IntArrayRef o = other.sizes();
+  while (o.size() > 1 && o.front() == 1) o = o.slice(1);
+  return self.sizes().slice(self.dim() - o.size()) == o;
+}
+
+at::Tensor& add_(at::Tensor& self, const at::Tensor& other, const at::Scalar& alpha) {
+  if (active_depth == 0 || !is_half(self) || !self.device().is_cpu() || !other.defined() ||
+      other.scalar_type() != at::kFloat || !other.device().is_cpu() || alpha.isComplex() ||
+      !self.is_contiguous() || !other.is_contiguous() || self.is_alias_of(other) ||
+      !is_trailing_vector(self, other) || !cpu_half_fallback_available(self.scalar_type())) {
+    return at::cpu::add_(self, other, alpha);
+  }
+  ++route_calls;
+  const int64_t n = other.numel();
+  kernels::cpu::half_add_rows(self.mutable_data_ptr(), bridge::kernel_dtype(self, "add_"),
+                              self.numel() / n, n, other.const_data_ptr<float>(),
+                              static_cast<float>(alpha.toDouble()));
+  return self;
 }
 
 at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight,
@@ -536,6 +566,7 @@ void register_kernels() {
     lib->impl("baddbmm_", TORCH_FN(baddbmm_));
     lib->impl("addbmm_", TORCH_FN(addbmm_));
     lib->impl("addmv_", TORCH_FN(addmv_));
+    lib->impl("add_.Tensor", TORCH_FN(add_));
     lib->impl("convolution", TORCH_FN(convolution));
     lib->impl("convolution_backward", TORCH_FN(convolution_backward));
     lib->impl("gelu", TORCH_FN(gelu));

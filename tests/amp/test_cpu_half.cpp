@@ -2,6 +2,7 @@
 // same (exactly representable) inputs rounded once; the scope's on/off, nesting, threads and
 // exceptions. Availability is forced on, so these run on every CPU.
 #include <ATen/ops/mm_cpu_dispatch.h>
+#include <apex/amp/autocast.h>
 #include <apex/amp/cpu_half.h>
 
 #include <functional>
@@ -474,6 +475,70 @@ TEST(CpuHalfFallback, InPlaceAndOutVariantsRefuseWhatLibTorchRefuses) {
   at::Tensor o = a.clone();
   at::mm_out(o, o, b);
   EXPECT_TRUE(o.equal(at::mm(a.to(at::kFloat), b.to(at::kFloat)).to(at::kBFloat16)));
+}
+
+// `x += bias` with x half and bias fp32 (LibTorch's C++ Linear on an N-d input at O1): one pass in
+// the scope, the same values as LibTorch's widen-add-round; other shapes, layouts and a 0-dim
+// bias go to LibTorch's kernel.
+TEST(CpuHalfFallback, HalfPlusFp32InPlaceInOnePass) {
+  const ForceAvailable force;
+  for (const auto t : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(t));
+    const at::Tensor x = exact({2, 7, 16}, t, 90);
+    const at::Tensor wide = exact({3, 40000}, t, 91);  // over several tiles and threads
+    auto gen = at::detail::createCPUGenerator(92);
+    const at::Tensor b = at::randn({16}, gen), b_wide = at::randn({40000}, gen);
+    const at::Tensor b7 = at::randn({7, 16}, gen), b71 = at::randn({7, 1}, gen);
+    struct AddCase {
+      const char* name;
+      at::Tensor self, other;
+      double alpha;
+      bool taken;
+    };
+    const std::vector<AddCase> adds = {
+        {"bias", x, b, 1.0, true},
+        {"bias, alpha 0.5", x, b, 0.5, true},
+        {"bias with leading ones", x, b.view({1, 1, 16}), 1.0, true},
+        {"trailing two dims", x, b7, 1.0, true},
+        {"long rows", wide, b_wide, 1.0, true},
+        {"column broadcast", x, b71, 1.0, false},
+        {"0-dim", x, at::scalar_tensor(0.3), 1.0, false},
+        {"self transposed", x.transpose(1, 2), b.narrow(0, 0, 7), 1.0, false},
+    };
+    for (const auto& c : adds) {
+      const at::Tensor want = c.self.clone().add_(c.other, c.alpha);  // outside a scope: LibTorch
+      at::Tensor got = c.self.clone();
+      if (!c.self.is_contiguous()) got = got.transpose(1, 2).contiguous().transpose(1, 2);
+      const CpuHalfFallbackGuard guard;
+      const uint64_t before = apex::amp::detail::cpu_half_route_calls();
+      got.add_(c.other, c.alpha);
+      EXPECT_EQ(apex::amp::detail::cpu_half_route_calls() > before, c.taken) << c.name;
+      EXPECT_EQ(got.scalar_type(), t) << c.name;
+      EXPECT_TRUE(got.equal(want)) << c.name;
+    }
+    // fp32 `other` that is not a vector of x's trailing sizes and would broadcast x: refused as
+    // LibTorch refuses it, x unchanged.
+    at::Tensor small = exact({16}, t, 93);
+    const CpuHalfFallbackGuard guard;
+    EXPECT_THROW(small.add_(b7), c10::Error);
+    EXPECT_TRUE(small.equal(exact({16}, t, 93)));
+  }
+  // LibTorch's C++ Linear on a 3-D input under autocast: its bias add takes the route, and the
+  // output is the routed product with the bias added as LibTorch adds it.
+  torch::nn::Linear fc(16, 10);
+  const at::Tensor in = at::randn({2, 7, 16});
+  at::Tensor got;
+  {
+    const apex::amp::AutocastGuard autocast(c10::kCPU, at::kBFloat16);
+    const CpuHalfFallbackGuard guard;
+    const uint64_t before = apex::amp::detail::cpu_half_route_calls();
+    got = fc->forward(in);
+    EXPECT_GE(apex::amp::detail::cpu_half_route_calls(), before + 2);  // the product and the add
+  }
+  const at::Tensor product = at::matmul(in.to(at::kBFloat16).to(at::kFloat),
+                                        fc->weight.to(at::kBFloat16).to(at::kFloat).t())
+                                 .to(at::kBFloat16);
+  EXPECT_TRUE(got.equal(product.clone().add_(fc->bias.detach())));
 }
 
 // The kernels for products with a few rows or columns sum each output in an order fixed by k and

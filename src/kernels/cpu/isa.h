@@ -64,6 +64,9 @@ struct NormBackwardBlock {
   double* db_sum = nullptr;
 };
 
+/// axpby's arg_to_check for no finiteness check (apex's are -1: both, 0: x, 1: y).
+constexpr int kAxpbyCheckNone = 2;
+
 /// The multi-tensor kernels of one instruction set, each on one chunk (multi_tensor_kernels.cpp).
 struct MultiTensorKernels {
   bool (*scale)(const Span&, float s);

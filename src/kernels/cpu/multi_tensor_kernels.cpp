@@ -63,8 +63,8 @@ bool axpby_chunk(const Span& s, float a, float b, int arg_to_check) {
     const int64_t n = s.n - off < kTile ? s.n - off : kTile;
     const float* x = load(s.t[0], at(s.p[0], s.t[0], off), x_buf, n);
     const float* y = load(s.t[1], at(s.p[1], s.t[1], off), y_buf, n);
-    if (arg_to_check != 1) bad |= any_non_finite(x, n);
-    if (arg_to_check != 0) bad |= any_non_finite(y, n);
+    if (arg_to_check == -1 || arg_to_check == 0) bad |= any_non_finite(x, n);
+    if (arg_to_check == -1 || arg_to_check == 1) bad |= any_non_finite(y, n);
     float* out = s.t[2] == DType::kFloat32 ? fp32_list(s, 2, off) : out_buf;
     for (int64_t i = 0; i < n; ++i) out[i] = a * x[i] + b * y[i];
     store(s.t[2], out, at(s.p[2], s.t[2], off), n);
