@@ -25,9 +25,10 @@ void half_gemv(const void* m, DType t, int64_t rows, int64_t k, bool k_contiguou
       }
     }
   };
-  // About 64 Ki elements of the matrix per task; column-major ranges are whole kGemvRowBlock
-  // blocks (isa.h).
-  const int64_t per_row = k > 0 ? k : 1;
+  // About 64 Ki multiply-adds per task (a matrix of 64 Ki elements with 16 vectors is worth
+  // splitting: single-threaded it took twice the fp32 product); column-major ranges are whole
+  // kGemvRowBlock blocks (isa.h).
+  const int64_t per_row = (k > 0 ? k : 1) * nv;
   if (k_contiguous) {
     at::parallel_for(0, rows, (int64_t{1} << 16) / per_row + 1, each_group);
     return;
