@@ -88,6 +88,10 @@ TEST(TrainCli, DefaultsAndFlags) {
       parse_cli({"--compare", "O0,O3", "--plot", "a.svg", "--metrics", "m", "--steps", "5"});
   EXPECT_EQ(cmp.compare, (std::vector<std::string>{"O0", "O3"}));
   EXPECT_EQ(cmp.child_args, (std::vector<std::string>{"--steps", "5"}));
+  const Cli rounds = parse_cli({"--rounds", "3", "--steps", "5"});
+  EXPECT_EQ(rounds.rounds, 3);
+  EXPECT_EQ(rounds.compare, (std::vector<std::string>{"O0", "O1", "O2"}));
+  EXPECT_EQ(rounds.child_args, (std::vector<std::string>{"--steps", "5"}));
   EXPECT_EQ(parse_cli({"--device", "cuda", "--opt-level", "O1"}).train.half_dtype, c10::kHalf);
 }
 
@@ -113,6 +117,17 @@ TEST(TrainCli, BadInput) {
       },
       "either --opt-level or --compare"));
   EXPECT_TRUE(throws_with([] { parse_cli({"--resume"}); }, "--resume needs --checkpoint"));
+  EXPECT_TRUE(throws_with([] { parse_cli({"--rounds", "0"}); }, "--rounds expects an integer"));
+  EXPECT_TRUE(throws_with(
+      [] {
+        parse_cli({"--rounds", "2", "--opt-level", "O1"});
+      },
+      "--rounds repeats a --compare"));
+  EXPECT_TRUE(throws_with(
+      [] {
+        parse_cli({"--rounds", "2", "--checkpoint", "ck"});
+      },
+      "takes no --checkpoint"));
   // Numbers are plain decimals: strtoll/strtod's leading spaces, '+' and hexadecimal are refused.
   for (const char* v : {"+5", " 5", "5 ", "0x10"}) {
     EXPECT_TRUE(throws_with([&] { parse_cli({"--steps", v}); }, "--steps expects an integer")) << v;
@@ -426,6 +441,31 @@ TEST_F(TrainFiles, CompareTableMetricsAndPlot) {
                        "r.iter('{http://www.w3.org/2000/svg}polyline')))\"");
   EXPECT_EQ(xml.status, 0) << xml.out;
   EXPECT_NE(xml.out.find("['O0', 'O1', 'O2']"), std::string::npos) << xml.out;
+}
+
+// --rounds: a line per round, and the table's speed-up is the median of the rounds' ratios (of two
+// rounds, their mean), its samples/s the median of the rounds'.
+TEST(TrainBinary, RoundsReportMedians) {
+  const Proc p = run(std::string(APEX_TRAIN_EXE) +
+                     " --no-progress --model mlp --compare O0,O1 --steps 3 --rounds 2");
+  ASSERT_EQ(p.status, 0) << p.out;
+  double rate[2][2] = {}, ratio[2] = {};
+  for (int r = 0; r < 2; ++r) {
+    const std::string head = "round " + std::to_string(r + 1) + "/2: O0 ";
+    const size_t at = p.out.find(head);
+    ASSERT_NE(at, std::string::npos) << p.out;
+    ASSERT_EQ(std::sscanf(p.out.c_str() + at + head.size(), "%lf (1.00x), O1 %lf (%lfx)",
+                          &rate[r][0], &rate[r][1], &ratio[r]),
+              3)
+        << p.out;
+  }
+  EXPECT_NE(p.out.find("medians over 2 rounds"), std::string::npos) << p.out;
+  const size_t row = p.out.find("\nO1 ");
+  ASSERT_NE(row, std::string::npos) << p.out;
+  double samples = 0, speedup = 0;
+  ASSERT_EQ(std::sscanf(p.out.c_str() + row + 4, "%lf %lfx", &samples, &speedup), 2) << p.out;
+  EXPECT_NEAR(speedup, (ratio[0] + ratio[1]) / 2, 0.011) << p.out;
+  EXPECT_NEAR(samples, (rate[0][1] + rate[1][1]) / 2, 0.11) << p.out;
 }
 
 // The header says when amp computes half matmuls through fp32 (APEX_CPU_HALF_FALLBACK=1 forces

@@ -145,6 +145,9 @@ training
   --compare L1,L2,..    train the same model from the same weights at each level, each in its own
                         process, and print a table (samples/s, speed-up, peak memory, loss,
                         held-out accuracy, skipped steps, loss scale)
+  --rounds N            run the --compare levels N times, in rotating order, and report each
+                        level's median samples/s and median speed-up over the rounds (1): on a
+                        shared or virtual machine one round's ratios can drift by 10 %
   --half-dtype T        bf16 | fp16 (default bf16 on cpu, fp16 on cuda)
   --loss-scale S        dynamic | a positive number (default: the level's)
   --optimizer NAME      fused-adam | fused-lamb | fused-sgd | fused-novograd | fused-adagrad |
@@ -194,7 +197,8 @@ Cli parse_cli(const std::vector<std::string>& args) {
   bool half_set = false;
   bool bucket_set = false;
   static const std::set<std::string> kPerLevel = {"--compare", "--opt-level",  "--plot",
-                                                  "--metrics", "--checkpoint", "--summary-out"};
+                                                  "--metrics", "--checkpoint", "--summary-out",
+                                                  "--rounds"};
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& flag = args[i];
     if (flag == "--help" || flag == "-h") {
@@ -323,12 +327,20 @@ Cli parse_cli(const std::vector<std::string>& args) {
       bucket_set = true;
     } else if (flag == "--nproc") {
       cli.nproc = to_int(flag, v, 1, 64);
+    } else if (flag == "--rounds") {
+      cli.rounds = to_int(flag, v, 1, 100);
     } else {
       TORCH_CHECK(false, "apex-train: unknown option '", flag, "' (see --help)");
     }
   }
   TORCH_CHECK(!(level_set && !cli.compare.empty()),
               "apex-train: give either --opt-level or --compare, not both");
+  TORCH_CHECK(cli.rounds == 1 || !level_set,
+              "apex-train: --rounds repeats a --compare; give --compare (or no level), not "
+              "--opt-level");
+  TORCH_CHECK(cli.rounds == 1 || (o.checkpoint.empty() && !o.resume),
+              "apex-train: --rounds trains every level afresh each round; it takes no --checkpoint "
+              "or --resume");
   if (!half_set && o.device.is_cuda()) o.half_dtype = c10::kHalf;
   TORCH_CHECK(!o.ddp || (level_set && cli.compare.empty()),
               "apex-train: --ddp trains one opt level: give --opt-level (to compare levels "

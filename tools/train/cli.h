@@ -12,8 +12,10 @@ namespace apex::train {
 struct Cli {
   TrainOptions train;
   std::vector<std::string> compare;  ///< levels to run side by side; empty: one run
-  std::string plot;                  ///< SVG path
-  std::string summary_out;           ///< (internal) where a --compare child writes its summary
+  /// --rounds: how many times --compare runs its levels (in rotating order; medians reported).
+  int64_t rounds = 1;
+  std::string plot;         ///< SVG path
+  std::string summary_out;  ///< (internal) where a --compare child writes its summary
   bool help = false;
   /// --nproc: ranks to start on this machine (0: none; train in this process).
   int64_t nproc = 0;

@@ -170,6 +170,49 @@ int run_ranks(const Cli& cli) {
   return 0;
 }
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// --rounds: every level once per round, each round starting one level later (so that no level
+// always runs first, or right after the same one), a line per round; each level's summary is its
+// last round's with the median samples/s and the highest peak memory, and its speed-up the median
+// of its per-round ratios to the first level of --compare (a machine that drifts between rounds
+// moves both sides of a ratio alike).
+std::vector<Summary> run_rounds(const Cli& cli, const fs::path& work,
+                                std::vector<double>& speedups) {
+  const size_t n = cli.compare.size();
+  std::vector<std::vector<double>> rate(n), ratio(n);
+  std::vector<Summary> last(n);
+  for (int64_t r = 0; r < cli.rounds; ++r) {
+    for (size_t j = 0; j < n; ++j) {
+      const size_t i = (j + static_cast<size_t>(r)) % n;
+      const double peak = r > 0 ? last[i].peak_rss_mb : 0.0;
+      last[i] = run_child(cli, cli.compare[i], work);
+      last[i].peak_rss_mb = std::max(peak, last[i].peak_rss_mb);
+      rate[i].push_back(last[i].samples_per_s);
+    }
+    std::printf("round %lld/%lld:", static_cast<long long>(r + 1),
+                static_cast<long long>(cli.rounds));
+    for (size_t i = 0; i < n; ++i) {
+      ratio[i].push_back(rate[i].back() / std::max(rate[0].back(), 1e-9));
+      std::printf("%s %s %.1f (%.2fx)", i == 0 ? "" : ",", cli.compare[i].c_str(), rate[i].back(),
+                  ratio[i].back());
+    }
+    std::printf("\n");
+  }
+  speedups.clear();
+  for (size_t i = 0; i < n; ++i) {
+    last[i].samples_per_s = median(rate[i]);
+    speedups.push_back(median(ratio[i]));
+  }
+  std::printf("(samples/s and speedup: medians over %lld rounds; peak MiB: the highest)\n",
+              static_cast<long long>(cli.rounds));
+  return last;
+}
+
 int run(const Cli& cli) {
   // Before any data is loaded or rank started: a bad device or output path fails at once.
   apex::train::check_device(cli.train);
@@ -218,8 +261,14 @@ int run(const Cli& cli) {
     }
   } cleanup{work};
   std::vector<Summary> runs;
-  for (const auto& level : cli.compare) runs.push_back(run_child(cli, level, work));
-  std::printf("\n%s\n%s", runs.front().model.c_str(), apex::train::compare_table(runs).c_str());
+  std::vector<double> speedups;
+  if (cli.rounds == 1) {
+    for (const auto& level : cli.compare) runs.push_back(run_child(cli, level, work));
+  } else {
+    runs = run_rounds(cli, work, speedups);
+  }
+  std::printf("\n%s\n%s", runs.front().model.c_str(),
+              apex::train::compare_table(runs, speedups).c_str());
   if (!cli.train.metrics.empty()) {
     std::string all;
     for (const auto& level : cli.compare) {

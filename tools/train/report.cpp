@@ -9,18 +9,20 @@
 
 namespace apex::train {
 
-std::string compare_table(const std::vector<Summary>& runs) {
+std::string compare_table(const std::vector<Summary>& runs, const std::vector<double>& speedups) {
   std::ostringstream out;
   char line[256];
   std::snprintf(line, sizeof(line), "%-6s %11s %8s %10s %11s %9s %8s %11s\n", "level", "samples/s",
                 "speedup", "peak MiB", "train loss", "test acc", "skipped", "loss scale");
   out << line;
   const double base = runs.empty() ? 1.0 : runs.front().samples_per_s;
-  for (const auto& r : runs) {
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const Summary& r = runs[i];
+    const double speedup =
+        i < speedups.size() ? speedups[i] : r.samples_per_s / std::max(base, 1e-9);
     std::snprintf(line, sizeof(line), "%-6s %11.1f %7.2fx %10.0f %11.4f %8.1f%% %8lld %11g\n",
-                  r.level.c_str(), r.samples_per_s, r.samples_per_s / std::max(base, 1e-9),
-                  r.peak_rss_mb, r.final_loss, 100.0 * r.test_accuracy,
-                  static_cast<long long>(r.skipped_steps), r.loss_scale);
+                  r.level.c_str(), r.samples_per_s, speedup, r.peak_rss_mb, r.final_loss,
+                  100.0 * r.test_accuracy, static_cast<long long>(r.skipped_steps), r.loss_scale);
     out << line;
   }
   return out.str();

@@ -10,8 +10,10 @@
 namespace apex::train {
 
 /// The comparison table: samples/s, speed-up over the first row, peak memory, final train loss,
-/// held-out accuracy, skipped steps, final loss scale.
-std::string compare_table(const std::vector<Summary>& runs);
+/// held-out accuracy, skipped steps, final loss scale. `speedups`, where given (one per run), is
+/// printed in place of samples/s over the first row's (the medians of --rounds).
+std::string compare_table(const std::vector<Summary>& runs,
+                          const std::vector<double>& speedups = {});
 
 /// An SVG chart of the train-loss curves of every run, one polyline per level, with axes and a
 /// legend; written atomically (write_file_atomic).
