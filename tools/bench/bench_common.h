@@ -17,6 +17,7 @@ struct Config {
   c10::Device device = c10::kCPU;
   int warmup = 2;
   int repeats = 10;
+  int rounds = 1;                 ///< train: the levels this many times, in rotating order
   int threads = 0;                // 0: LibTorch's default
   std::string json;               ///< --json FILE; empty: no JSON written
   std::vector<std::string> only;  // model / case filter, empty = all

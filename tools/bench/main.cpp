@@ -43,6 +43,8 @@ void usage(std::FILE* out) {
       "  --threads N         intra-op threads (default: LibTorch's)\n"
       "  --repeats N         timed runs per case, the median is reported (default 10)\n"
       "  --warmup N          untimed runs first (default 2)\n"
+      "  --rounds N          train: every level N times, in rotating order; medians of samples/s\n"
+      "                      and of the per-round ratios to O0 (default 1)\n"
       "  --only NAME         only this model (optim: resnet50, bert; train: transformer, resnet),\n"
       "                      shape (norm: 4096x1024) or op (half: mm, linear, conv2d, conv1d,\n"
       "                      sdpa, addbmm, mm_out, conv_tbc, addmv, rnn, batch_norm, relu_add,\n"
@@ -97,6 +99,8 @@ int main(int argc, char** argv) {
       cfg.threads = parse_int(flag, value, 1, 4096);
     } else if (flag == "--repeats") {
       cfg.repeats = parse_int(flag, value, 1, 100000);
+    } else if (flag == "--rounds") {
+      cfg.rounds = parse_int(flag, value, 1, 100);
     } else if (flag == "--warmup") {
       cfg.warmup = parse_int(flag, value, 0, 100000);
     } else if (flag == "--only") {
