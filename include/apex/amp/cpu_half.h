@@ -31,9 +31,10 @@ bool cpu_half_fallback_active();
 /// tensors run as LibTorch's fp32 kernels on exactly widened inputs, outputs rounded to the half
 /// dtype (so at least as accurate as LibTorch's half kernels, which also accumulate in fp32, and
 /// bit-identical between runs); GELU and SiLU (forward and backward) of dense half tensors read a
-/// table per dtype (correctly rounded). Nested guards are fine; fp32/fp64 ops, CUDA tensors and
-/// mixed dtypes go to LibTorch's own kernels unchanged, and where the fallback is not available the
-/// guard does nothing.
+/// table per dtype (correctly rounded); `x += bias` of a half x and an fp32 bias (LibTorch's C++
+/// Linear on an N-d input at O1) adds in one pass. Nested guards are fine; fp32/fp64 ops, CUDA
+/// tensors and other mixed dtypes go to LibTorch's own kernels unchanged, and where the fallback is
+/// not available the guard does nothing.
 ///
 ///   model->to(at::kBFloat16);
 ///   { apex::amp::CpuHalfFallbackGuard fast; loss = loss_fn(model->forward(x), y); loss.backward();
