@@ -376,6 +376,26 @@ def test_cpu_half_fallback_matrix_vector(forced_fallback, dtype):
     assert out.shape == (300,)
 
 
+@pytest.mark.regular_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_half_fallback_half_plus_fp32_bias(forced_fallback, dtype):
+    """`y += bias` of a half y and an fp32 bias (how LibTorch's C++ Linear adds its bias at O1)
+    takes the route's one-pass kernel: the same values as torch's widen-add-round; other
+    broadcasts are torch's."""
+    g = torch.Generator().manual_seed(6)
+    y = torch.randn(3, 5, 700, generator=g).to(dtype)
+    bias, col = torch.randn(700, generator=g), torch.randn(5, 1, generator=g)
+    calls = torch.ops.apex_cpp._cpu_half_route_calls
+    for other, alpha, taken in ((bias, 1.0, True), (bias, 0.5, True), (col, 1.0, False)):
+        want = y.clone().add_(other, alpha=alpha)
+        got = y.clone()
+        with amp.cpu_half_fallback():
+            before = calls()
+            got.add_(other, alpha=alpha)
+            assert (calls() > before) == taken
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def _ordinal(t):
     """Each 16-bit float's position on the number line (neighbours differ by one, -0 == +0)."""
     b = t.view(torch.int16).to(torch.int32)
