@@ -14,6 +14,7 @@
 #include "train/cli.h"
 #include "train/data.h"
 #include "train/json.h"
+#include "train/report.h"
 
 namespace apex::bench {
 namespace {
@@ -70,35 +71,33 @@ int run_train(const Config& cfg) {
     }
     peer.autocast = slow_half ? python_run(c.model, "autocast", 3, threads, 1)
                               : python_run(c.model, "autocast", peer_steps, threads);
-    // Each level once per round, each round starting one level later; the medians over the
-    // rounds (a single pass on a virtual machine drifted by up to 10 % between levels).
+    // The levels in rounds (a single pass on a virtual machine drifted by up to 10 % between
+    // levels): medians.
     const std::vector<std::string> levels = {"O0", "O1", "O2"};
-    std::vector<std::vector<double>> rate(levels.size()), ratio(levels.size());
     std::vector<double> accuracy(levels.size());
     std::vector<int64_t> steps(levels.size());
-    for (int r = 0; r < cfg.rounds; ++r) {
-      for (size_t j = 0; j < levels.size(); ++j) {
-        const size_t i = (j + static_cast<size_t>(r)) % levels.size();
-        apex::train::TrainOptions o = cli.train;
-        o.opt_level = levels[i];
-        o.untimed_steps = 5;  // as the peer's --warmup
-        const auto s = apex::train::train(o, data);
-        rate[i].push_back(s.samples_per_s);
-        accuracy[i] = s.test_accuracy;
-        steps[i] = s.steps;
-      }
-      for (size_t i = 0; i < levels.size(); ++i)
-        ratio[i].push_back(rate[i].back() / rate[0].back());
-      if (cfg.rounds > 1) {
-        std::printf("%-12s round %d/%d: O0 %.1f, O1 %.1f (%.2fx), O2 %.1f (%.2fx)\n",
-                    c.model.c_str(), r + 1, cfg.rounds, rate[0].back(), rate[1].back(),
-                    ratio[1].back(), rate[2].back(), ratio[2].back());
-        std::fflush(stdout);
-      }
-    }
+    const apex::train::Rounds rounds = apex::train::run_in_rounds(
+        levels.size(), cfg.rounds,
+        [&](size_t i) {
+          apex::train::TrainOptions o = cli.train;
+          o.opt_level = levels[i];
+          o.untimed_steps = 5;  // as the peer's --warmup
+          const auto s = apex::train::train(o, data);
+          accuracy[i] = s.test_accuracy;
+          steps[i] = s.steps;
+          return s.samples_per_s;
+        },
+        [&](int64_t r, const apex::train::Rounds& so_far) {
+          if (cfg.rounds == 1) return;
+          std::printf("%-12s round %lld/%d: O0 %.1f, O1 %.1f (%.2fx), O2 %.1f (%.2fx)\n",
+                      c.model.c_str(), static_cast<long long>(r + 1), cfg.rounds,
+                      so_far.rate[0].back(), so_far.rate[1].back(), so_far.ratio[1].back(),
+                      so_far.rate[2].back(), so_far.ratio[2].back());
+          std::fflush(stdout);
+        });
     for (size_t i = 0; i < levels.size(); ++i) {
-      const double samples = median(rate[i]);
-      const double speedup = median(ratio[i]);
+      const double samples = rounds.median_rate(i);
+      const double speedup = rounds.median_ratio(i);
       std::printf("%-12s %-6s %11.1f %8.2fx %8.1f%% %10.1f %10.1f %8.2fx\n", c.model.c_str(),
                   levels[i].c_str(), samples, speedup, 100 * accuracy[i], peer.fp32, peer.autocast,
                   samples / peer.autocast);

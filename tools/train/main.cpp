@@ -170,43 +170,33 @@ int run_ranks(const Cli& cli) {
   return 0;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-// --rounds: every level once per round, each round starting one level later (so that no level
-// always runs first, or right after the same one), a line per round; each level's summary is its
-// last round's with the median samples/s and the highest peak memory, and its speed-up the median
-// of its per-round ratios to the first level of --compare (a machine that drifts between rounds
-// moves both sides of a ratio alike).
+// --rounds: each level's summary is its last round's with the median samples/s and the highest
+// peak memory; its speed-up the median of its per-round ratios to the first level of --compare.
 std::vector<Summary> run_rounds(const Cli& cli, const fs::path& work,
                                 std::vector<double>& speedups) {
   const size_t n = cli.compare.size();
-  std::vector<std::vector<double>> rate(n), ratio(n);
   std::vector<Summary> last(n);
-  for (int64_t r = 0; r < cli.rounds; ++r) {
-    for (size_t j = 0; j < n; ++j) {
-      const size_t i = (j + static_cast<size_t>(r)) % n;
-      const double peak = r > 0 ? last[i].peak_rss_mb : 0.0;
-      last[i] = run_child(cli, cli.compare[i], work);
-      last[i].peak_rss_mb = std::max(peak, last[i].peak_rss_mb);
-      rate[i].push_back(last[i].samples_per_s);
-    }
-    std::printf("round %lld/%lld:", static_cast<long long>(r + 1),
-                static_cast<long long>(cli.rounds));
-    for (size_t i = 0; i < n; ++i) {
-      ratio[i].push_back(rate[i].back() / std::max(rate[0].back(), 1e-9));
-      std::printf("%s %s %.1f (%.2fx)", i == 0 ? "" : ",", cli.compare[i].c_str(), rate[i].back(),
-                  ratio[i].back());
-    }
-    std::printf("\n");
-  }
+  const apex::train::Rounds rounds = apex::train::run_in_rounds(
+      n, cli.rounds,
+      [&](size_t i) {
+        const double peak = last[i].peak_rss_mb;
+        last[i] = run_child(cli, cli.compare[i], work);
+        last[i].peak_rss_mb = std::max(peak, last[i].peak_rss_mb);
+        return last[i].samples_per_s;
+      },
+      [&](int64_t r, const apex::train::Rounds& so_far) {
+        std::printf("round %lld/%lld:", static_cast<long long>(r + 1),
+                    static_cast<long long>(cli.rounds));
+        for (size_t i = 0; i < n; ++i) {
+          std::printf("%s %s %.1f (%.2fx)", i == 0 ? "" : ",", cli.compare[i].c_str(),
+                      so_far.rate[i].back(), so_far.ratio[i].back());
+        }
+        std::printf("\n");
+      });
   speedups.clear();
   for (size_t i = 0; i < n; ++i) {
-    last[i].samples_per_s = median(rate[i]);
-    speedups.push_back(median(ratio[i]));
+    last[i].samples_per_s = rounds.median_rate(i);
+    speedups.push_back(rounds.median_ratio(i));
   }
   std::printf("(samples/s and speedup: medians over %lld rounds; peak MiB: the highest)\n",
               static_cast<long long>(cli.rounds));

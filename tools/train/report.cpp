@@ -1,6 +1,7 @@
 #include "train/report.h"
 
 #include <apex/io.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
@@ -26,6 +27,38 @@ std::string compare_table(const std::vector<Summary>& runs, const std::vector<do
     out << line;
   }
   return out.str();
+}
+
+namespace {
+
+double median(std::vector<double> v) {
+  TORCH_CHECK(!v.empty(), "apex-train: the median of no rounds");
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+double Rounds::median_rate(size_t level) const { return median(rate.at(level)); }
+double Rounds::median_ratio(size_t level) const { return median(ratio.at(level)); }
+
+Rounds run_in_rounds(size_t levels, int64_t rounds, const std::function<double(size_t)>& run,
+                     const std::function<void(int64_t, const Rounds&)>& after_round) {
+  Rounds out;
+  out.rate.resize(levels);
+  out.ratio.resize(levels);
+  for (int64_t r = 0; r < rounds; ++r) {
+    for (size_t j = 0; j < levels; ++j) {
+      const size_t i = (j + static_cast<size_t>(r)) % levels;
+      out.rate[i].push_back(run(i));
+    }
+    for (size_t i = 0; i < levels; ++i) {
+      out.ratio[i].push_back(out.rate[i].back() / std::max(out.rate[0].back(), 1e-9));
+    }
+    if (after_round) after_round(r, out);
+  }
+  return out;
 }
 
 namespace {
