@@ -122,6 +122,15 @@ at::Tensor rounded(const at::Tensor& y, at::ScalarType t) {
   return y.to(t, false, false, at::MemoryFormat::Contiguous);
 }
 
+// beta * self + alpha * product (fp32, from vector_product) in fp32, as the fp32 kernels compute it
+// (self ignored where beta is 0, widened as it is read), rounded to t.
+at::Tensor scaled_sum_rounded(at::Tensor product, const at::Tensor& self, const at::Scalar& beta,
+                              const at::Scalar& alpha, at::ScalarType t) {
+  if (alpha.toDouble() != 1) product.mul_(alpha);
+  if (beta.toDouble() != 0) product.add_(self, beta);
+  return rounded(product, t);
+}
+
 at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
   if (!take({&a, &b})) return at::cpu::mm(a, b);
   if (const at::Tensor y = vector_product(a, b); y.defined()) return rounded(y, a.scalar_type());
@@ -139,10 +148,7 @@ at::Tensor addmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& 
   if (a.dim() == 2 && b.dim() == 2 && !beta.isComplex() && !alpha.isComplex() &&
       at::is_expandable_to(self.sizes(), {a.size(0), b.size(1)})) {
     if (at::Tensor y = vector_product(a, b); y.defined()) {
-      // beta * self + alpha * (a @ b) in fp32, as the fp32 kernel (self ignored where beta is 0).
-      if (alpha.toDouble() != 1) y.mul_(alpha);
-      if (beta.toDouble() != 0) y.add_(self, beta);  // self widened as it is read
-      return rounded(y, a.scalar_type());
+      return scaled_sum_rounded(y, self, beta, alpha, a.scalar_type());
     }
   }
   return at::cpu::addmm(wide(self), wide(a), wide(b), beta, alpha).to(a.scalar_type());
@@ -168,10 +174,7 @@ at::Tensor addmv(const at::Tensor& self, const at::Tensor& mat, const at::Tensor
   if (mat.dim() == 2 && vec.dim() == 1 && !beta.isComplex() && !alpha.isComplex() &&
       at::is_expandable_to(self.sizes(), {mat.size(0)})) {
     if (at::Tensor y = vector_product(mat, vec.unsqueeze(1)); y.defined()) {
-      y = y.squeeze(1);
-      if (alpha.toDouble() != 1) y.mul_(alpha);
-      if (beta.toDouble() != 0) y.add_(self, beta);
-      return rounded(y, mat.scalar_type());
+      return scaled_sum_rounded(y.squeeze(1), self, beta, alpha, mat.scalar_type());
     }
   }
   return at::cpu::addmv(wide(self), wide(mat), wide(vec), beta, alpha).to(mat.scalar_type());
