@@ -132,6 +132,49 @@ std::vector<Case> cases() {
            return std::get<0>(at::rnn_tanh(x, h, p, true, 1, 0.0, true, false, false));
          });
        }},
+      // Small batches (control policies, recurrent cells stepped by hand): ten calls per run,
+      // each product a few rows against a weight read whole.
+      {"linear16", "linear 16x256 -> 1024 x10, fwd+bwd", bf16, 10 * 3 * 2.0 * 16 * 256 * 1024,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({16, 256}, t, 53, true);
+         const at::Tensor w = input({1024, 256}, t, 54, true);
+         const at::Tensor b = input({1024}, t, 55, true);
+         return fwd_bwd({x, w, b}, input({16, 1024}, t, 56), [=] {
+           at::Tensor y = at::linear(x, w, b);
+           for (int i = 1; i < 10; ++i) y = y + at::linear(x, w, b);
+           return y;
+         });
+       }},
+      {"lstm_cell", "LSTMCell 16x256 -> 256 x10 steps, fwd+bwd", bf16,
+       10 * 3 * 2.0 * 16 * 512 * 1024,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({10, 16, 256}, t, 57, true);
+         const at::Tensor h = input({16, 256}, t, 58);
+         const at::Tensor c = input({16, 256}, t, 59);
+         const std::vector<at::Tensor> p = {(input({1024, 256}, t, 60) * 0.0625).requires_grad_(),
+                                            (input({1024, 256}, t, 61) * 0.0625).requires_grad_(),
+                                            input({1024}, t, 62, true), input({1024}, t, 63, true)};
+         return fwd_bwd({x, p[0], p[1], p[2], p[3]}, input({16, 256}, t, 64), [=] {
+           std::tuple<at::Tensor, at::Tensor> hc{h, c};
+           for (int64_t s = 0; s < 10; ++s) {
+             hc = at::lstm_cell(x[s], {std::get<0>(hc), std::get<1>(hc)}, p[0], p[1], p[2], p[3]);
+           }
+           return std::get<0>(hc);
+         });
+       }},
+      {"gru_cell", "GRUCell 16x256 -> 256 x10 steps, fwd+bwd", bf16, 10 * 3 * 2.0 * 16 * 512 * 768,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({10, 16, 256}, t, 65, true);
+         const at::Tensor h = input({16, 256}, t, 66);
+         const std::vector<at::Tensor> p = {(input({768, 256}, t, 67) * 0.0625).requires_grad_(),
+                                            (input({768, 256}, t, 68) * 0.0625).requires_grad_(),
+                                            input({768}, t, 69, true), input({768}, t, 70, true)};
+         return fwd_bwd({x, p[0], p[1], p[2], p[3]}, input({16, 256}, t, 71), [=] {
+           at::Tensor hs = h;
+           for (int64_t s = 0; s < 10; ++s) hs = at::gru_cell(x[s], hs, p[0], p[1], p[2], p[3]);
+           return hs;
+         });
+       }},
       // Not on the route: LibTorch's half kernels inside the scope too (ours = LibTorch's half,
       // a measure of this method's noise). Here for their "vs fp32": the ops of apex-train's
       // models between the products, whose half kernels may be slower than fp32 on a CPU.
