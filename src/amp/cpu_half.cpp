@@ -87,8 +87,11 @@ at::Tensor wide(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : t
 // Products with at most this many rows or columns (small-batch `linear`) read the other operand
 // in place (kernels/gemv.h) rather than widen all of it for a few vectors, where that operand is
 // big enough for its widening to cost more than the kernel's per-output sums (a 256x64 weight
-// with 16 rows: 35 us through the kernel, fewer by widening); one vector always.
-constexpr int64_t kMaxVectors = 16;
+// with 16 rows: 35 us through the kernel, fewer by widening); one vector always. Up to 64 rows
+// the register-tiled kernels beat widening + MKL's sgemm under the AVX2 emulation (256x256,
+// 1024x256 and 256x1024 weights: 0.75-1.5x the fp32 product forward, 1.0-2.2x for the
+// backward's input gradient, against 0.67-0.83x by widening; docs/benchmarks.md).
+constexpr int64_t kMaxVectors = 64;
 constexpr int64_t kMinMatrixForVectors = int64_t{1} << 16;
 
 // The fp32 product of 2-D a [m, k] and b [k, n] where it has at most kMaxVectors rows or columns:

@@ -14,7 +14,7 @@ namespace apex::kernels::cpu {
 /// or fp16) at m with element (r, l) at m[r * ld + l] (k_contiguous) or m[l * ld + r]
 /// (otherwise); V [nv, k] and Y [nv, rows] fp32, contiguous. The matrix is read once per four
 /// vectors. Parallel over rows on ATen's thread pool; each result is summed in an order fixed by
-/// k and nv, the same for any split.
+/// k, the same for any split and any nv.
 void half_gemv(const void* m, DType t, int64_t rows, int64_t k, bool k_contiguous, int64_t ld,
                const float* v, int64_t nv, float* y);
 

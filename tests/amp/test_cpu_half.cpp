@@ -103,6 +103,19 @@ std::vector<Case> cases() {
        [](const Input& in) {
          return at::addmm(in({1, 2000}, 67), in({8, 33}, 68), in({2000, 33}, 69).t(), 1.0, 0.5);
        }},
+      {"mm 37 rows (vector groups of four, register tiles and their remainders), by rows",
+       [](const Input& in) {
+         return at::mm(in({37, 70}, 82), in({1001, 70}, 83).t());
+       }},
+      {"mm 37 rows, by columns",
+       [](const Input& in) {
+         return at::mm(in({37, 70}, 84), in({70, 1003}, 85));
+       }},
+      {"mm 64 columns, and 65 rows (widened)",
+       [](const Input& in) {
+         return at::cat({at::mm(in({1100, 60}, 86), in({60, 64}, 87)).t(),
+                         at::mm(in({65, 60}, 88), in({60, 1100}, 89))});
+       }},
       {"mm one row, b strided both ways (widened)",
        [](const Input& in) {
          return at::mm(in({1, 33}, 53), in({66, 140}, 54).slice(0, 0, 66, 2).slice(1, 0, 140, 2));
@@ -541,14 +554,15 @@ TEST(CpuHalfFallback, HalfPlusFp32InPlaceInOnePass) {
   EXPECT_TRUE(got.equal(product.clone().add_(fc->bias.detach())));
 }
 
-// The kernels for products with a few rows or columns sum each output in an order fixed by k and
-// the number of vectors: the same bits on any number of threads.
-TEST(CpuHalfFallback, VectorProductsDoNotDependOnThreads) {
+// The kernels for products with a few rows or columns sum each output in an order fixed by k
+// alone: the same bits on any number of threads, and for a row whether it comes alone or in a
+// batch (register tiles of any size, vector groups of any count).
+TEST(CpuHalfFallback, VectorProductsDoNotDependOnThreadsOrBatch) {
   const ForceAvailable force;
   const int threads = at::get_num_threads();
   for (const auto t : {at::kBFloat16, at::kHalf}) {
-    const at::Tensor a = exact({5, 300}, t, 70), b = exact({300, 3000}, t, 71);
-    const at::Tensor w = exact({3000, 300}, t, 72);
+    const at::Tensor a = exact({37, 301}, t, 70), b = exact({301, 3001}, t, 71);
+    const at::Tensor w = exact({3001, 301}, t, 72);
     std::vector<at::Tensor> got[2];
     for (const int n : {1, 4}) {
       at::set_num_threads(n);
@@ -557,6 +571,13 @@ TEST(CpuHalfFallback, VectorProductsDoNotDependOnThreads) {
                      at::mm(a[0].view({1, -1}), b)};
     }
     for (size_t i = 0; i < got[0].size(); ++i) EXPECT_TRUE(got[0][i].equal(got[1][i])) << t << i;
+    const CpuHalfFallbackGuard guard;
+    for (const int64_t row : {0, 5, 36}) {
+      const at::Tensor one = a.slice(0, row, row + 1);
+      EXPECT_TRUE(at::mm(one, b).equal(got[0][0].slice(0, row, row + 1))) << t << row;
+      EXPECT_TRUE(at::mm(one, w.t()).equal(got[0][1].slice(0, row, row + 1))) << t << row;
+      EXPECT_TRUE(at::mm(a.slice(0, 0, 9), b).equal(got[0][0].slice(0, 0, 9))) << t;
+    }
   }
   at::set_num_threads(threads);
 }

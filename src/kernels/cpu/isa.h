@@ -112,10 +112,10 @@ struct LookupKernels {
                   DType t);
 };
 
-/// Rows per block of GemvKernels::axpy_cols (its fp32 sums stay in L1); the driver splits
-/// column-major work on these blocks, so that which rows a kernel takes in vector lanes does not
-/// depend on the split.
-constexpr int64_t kGemvRowBlock = 512;
+/// Rows per block of column-major work (GemvKernels::axpy_cols) in the driver's split: a multiple
+/// of every ISA's lanes, so that which rows a kernel takes in vector lanes does not depend on the
+/// split; small, so that a 256-row matrix still gives both threads work.
+constexpr int64_t kGemvRowBlock = 64;
 
 /// Products of a bf16/fp16 matrix and nv (1 to 4) fp32 vectors with fp32 sums, the matrix widened
 /// in registers (gemv_kernels.cpp; the driver: gemv_cpu.cpp). m points at row 0 of the rows done,
