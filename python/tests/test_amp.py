@@ -343,16 +343,21 @@ def test_cpu_half_fallback_lstm_gru(forced_fallback):
 @pytest.mark.regular_ops
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cpu_half_fallback_matrix_vector(forced_fallback, dtype):
-    """mv, addmv (its in-place and out= forms) and matmul of a matrix and a vector take the route:
-    the matrix read in place by apex's vector kernels (torch's own bf16 addmv is ~4x its fp32
-    one on AVX2), the fp32 result on the same values rounded once, to one unit in the last place
-    (the kernels sum in another order than torch's fp32 one)."""
+    """mv, addmv (its in-place and out= forms), matmul of a matrix and a vector, and products
+    with a few rows (a small-batch linear, up to 64) take the route: the matrix read in place by
+    apex's vector kernels (torch's own bf16 addmv is ~4x its fp32 one on AVX2), the fp32 result
+    on the same values rounded once, to one unit in the last place (the kernels sum in another
+    order than torch's fp32 one)."""
     g = torch.Generator().manual_seed(5)
 
     def r(*shape):
         return torch.randn(*shape, generator=g).to(dtype)
 
+    def q(*shape):  # multiples of 1/8 in [-1, 1]: every product and sum exact in fp32
+        return (torch.randint(-8, 9, shape, generator=g) / 8).to(dtype)
+
     m, v, s = r(300, 700), r(700), r(300)
+    mq, sq, x, x2 = q(300, 700), q(300), q(37, 700), q(37, 300)
     w = lambda t: t.float()  # noqa: E731
     out = torch.empty(0, dtype=dtype)
     cases = {
@@ -363,6 +368,9 @@ def test_cpu_half_fallback_matrix_vector(forced_fallback, dtype):
         "addmv_": (lambda: s.clone().addmv_(m, v), w(s).addmv_(w(m), w(v))),
         "addmv out": (lambda: torch.addmv(s, m, v, out=out), torch.addmv(w(s), w(m), w(v))),
         "matmul": (lambda: m @ v, w(m) @ w(v)),
+        "linear 37 rows (matrix by rows)": (lambda: torch.nn.functional.linear(x, mq, sq),
+                                            torch.nn.functional.linear(w(x), w(mq), w(sq))),
+        "mm 37 rows (matrix by columns)": (lambda: x2 @ mq, w(x2) @ w(mq)),
     }
     calls = torch.ops.apex_cpp._cpu_half_route_calls
     for k, (op, want) in cases.items():
