@@ -85,13 +85,15 @@ bool take(c10::ArrayRef<const at::Tensor*> ts) {
 at::Tensor wide(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : t; }
 
 // Products with at most this many rows or columns (small-batch `linear`) read the other operand
-// in place (kernels/gemv.h) rather than widen all of it for a few vectors, where that operand is
-// big enough for its widening to cost more than the kernel's per-output sums (a 256x64 weight
-// with 16 rows: 35 us through the kernel, fewer by widening); one vector always. Up to 64 rows
-// the register-tiled kernels beat widening + MKL's sgemm under the AVX2 emulation (256x256,
-// 1024x256 and 256x1024 weights: 0.75-1.5x the fp32 product forward, 1.0-2.2x for the
-// backward's input gradient, against 0.67-0.83x by widening; docs/benchmarks.md).
+// in place (kernels/gemv.h) rather than widen all of it for a few vectors: up to 64 rows the
+// register-tiled kernels beat widening + MKL's sgemm under the AVX2 emulation (256x256, 1024x256
+// and 256x1024 weights: 0.75-1.5x the fp32 product forward, 1.0-2.2x for the backward's input
+// gradient, against 0.67-0.83x by widening). A matrix under 64 Ki elements takes them for at most
+// 16 vectors (4 rows against 64x64 to 128x128 weights: 1.2-2.3x; 16 rows 0.7-1.7x, against
+// ~0.5x by widening, whose four ATen calls dominate there; 64 rows: widening is better);
+// docs/benchmarks.md, "Small batches".
 constexpr int64_t kMaxVectors = 64;
+constexpr int64_t kMaxVectorsSmallMatrix = 16;
 constexpr int64_t kMinMatrixForVectors = int64_t{1} << 16;
 
 // The fp32 product of 2-D a [m, k] and b [k, n] where it has at most kMaxVectors rows or columns:
@@ -108,7 +110,7 @@ at::Tensor vector_product(const at::Tensor& a, const at::Tensor& b) {
   const at::Tensor mat = rows_few ? b.t() : a;
   const at::Tensor vecs = rows_few ? a : b.t();
   const int64_t rows = mat.size(0);
-  if (vecs.size(0) > 1 && rows * k < kMinMatrixForVectors) return {};
+  if (vecs.size(0) > kMaxVectorsSmallMatrix && rows * k < kMinMatrixForVectors) return {};
   const bool k_contiguous = mat.stride(1) == 1 || k == 1;
   if (!k_contiguous && mat.stride(0) != 1 && rows > 1) return {};
   const int64_t ld = k_contiguous ? mat.stride(0) : mat.stride(1);
