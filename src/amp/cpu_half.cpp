@@ -44,6 +44,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <optional>
 
 namespace apex::amp {
 namespace {
@@ -89,37 +90,76 @@ at::Tensor wide(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : t
 // register-tiled kernels beat widening + MKL's sgemm under the AVX2 emulation (256x256, 1024x256
 // and 256x1024 weights: 0.75-1.5x the fp32 product forward, 1.0-2.2x for the backward's input
 // gradient, against 0.67-0.83x by widening). A matrix under 64 Ki elements takes them for at most
-// 16 vectors (4 rows against 64x64 to 128x128 weights: 1.2-2.3x; 16 rows 0.7-1.7x, against
-// ~0.5x by widening, whose four ATen calls dominate there; 64 rows: widening is better);
-// docs/benchmarks.md, "Small batches".
+// 16 vectors (4 rows against 64x64 to 128x128 weights: 1.1-2.2x; 16 rows 0.7-1.2x, against ~0.5x
+// by widening, whose ATen calls dominate there; 32-64 rows: 0.5-1.0x either way, short k and
+// few rows to split); docs/benchmarks.md, "Small batches".
 constexpr int64_t kMaxVectors = 64;
 constexpr int64_t kMaxVectorsSmallMatrix = 16;
 constexpr int64_t kMinMatrixForVectors = int64_t{1} << 16;
 
-// The fp32 product of 2-D a [m, k] and b [k, n] where it has at most kMaxVectors rows or columns:
-// the larger operand read in place as a matrix M, the few rows of a (or columns of b) widened as
-// the vectors. Widening all of M for them cost 2-5x the fp32 product. Undefined for larger
-// products, or where M is strided in both dimensions (the caller widens then).
-at::Tensor vector_product(const at::Tensor& a, const at::Tensor& b) {
-  if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0)) return {};
+// How the vector kernels take a product of 2-D a [m, k] and b [k, n] with at most kMaxVectors rows
+// or columns: the larger operand read in place as a matrix M, the few rows of a (or columns of b)
+// as the vectors. Few rows: C = (b^T a^T)^T, M = b^T [n, k], the vectors a's rows, the result C.
+// Few columns: M = a [m, k], the vectors b's columns, the result C^T.
+struct VectorPlan {
+  at::Tensor mat, vecs;
+  int64_t rows = 0, k = 0, ld = 0;
+  bool k_contiguous = false, rows_few = false;
+};
+
+// Empty for larger products, or where M is strided in both dimensions (the caller widens then).
+std::optional<VectorPlan> vector_plan(const at::Tensor& a, const at::Tensor& b) {
+  if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0)) return std::nullopt;
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
-  if (std::min(m, n) > kMaxVectors || m == 0 || n == 0 || k == 0) return {};
-  // Few rows: C = (b^T a^T)^T, M = b^T [n, k], the vectors a's rows, the result C. Few columns:
-  // M = a [m, k], the vectors b's columns, the result C^T.
-  const bool rows_few = m <= n;
-  const at::Tensor mat = rows_few ? b.t() : a;
-  const at::Tensor vecs = rows_few ? a : b.t();
-  const int64_t rows = mat.size(0);
-  if (vecs.size(0) > kMaxVectorsSmallMatrix && rows * k < kMinMatrixForVectors) return {};
-  const bool k_contiguous = mat.stride(1) == 1 || k == 1;
-  if (!k_contiguous && mat.stride(0) != 1 && rows > 1) return {};
-  const int64_t ld = k_contiguous ? mat.stride(0) : mat.stride(1);
-  const at::Tensor v = vecs.to(at::kFloat, false, false, at::MemoryFormat::Contiguous);
-  at::Tensor y = at::empty({vecs.size(0), rows}, a.options().dtype(at::kFloat));
-  kernels::cpu::half_gemv(mat.const_data_ptr(), bridge::kernel_dtype(a, "mm"), rows, k,
-                          k_contiguous, ld, v.const_data_ptr<float>(), vecs.size(0),
+  if (std::min(m, n) > kMaxVectors || m == 0 || n == 0 || k == 0) return std::nullopt;
+  VectorPlan p;
+  p.rows_few = m <= n;
+  p.mat = p.rows_few ? b.t() : a;
+  p.vecs = p.rows_few ? a : b.t();
+  p.rows = p.mat.size(0);
+  p.k = k;
+  if (p.vecs.size(0) > kMaxVectorsSmallMatrix && p.rows * k < kMinMatrixForVectors) {
+    return std::nullopt;
+  }
+  p.k_contiguous = p.mat.stride(1) == 1 || k == 1;
+  if (!p.k_contiguous && p.mat.stride(0) != 1 && p.rows > 1) return std::nullopt;
+  p.ld = p.k_contiguous ? p.mat.stride(0) : p.mat.stride(1);
+  return p;
+}
+
+// The fp32 product where the vector kernels take it (vector_plan); undefined otherwise. Widening
+// all of M for a few vectors cost 2-5x the fp32 product.
+at::Tensor vector_product(const at::Tensor& a, const at::Tensor& b) {
+  const std::optional<VectorPlan> p = vector_plan(a, b);
+  if (!p) return {};
+  const at::Tensor v = p->vecs.to(at::kFloat, false, false, at::MemoryFormat::Contiguous);
+  at::Tensor y = at::empty({p->vecs.size(0), p->rows}, a.options().dtype(at::kFloat));
+  kernels::cpu::half_gemv(p->mat.const_data_ptr(), bridge::kernel_dtype(a, "mm"), p->rows, p->k,
+                          p->k_contiguous, p->ld, v.const_data_ptr<float>(), p->vecs.size(0),
                           y.mutable_data_ptr<float>());
-  return rows_few ? y : y.t();
+  return p->rows_few ? y : y.t();
+}
+
+// The half result of a @ b (+ bias, the half row added in fp32 before the one rounding: addmm's
+// beta = alpha = 1 with a 1-D self) where the vector kernels take the product and their result
+// is already in the output's layout (few rows, or one column): widening, sum and rounding inside
+// the kernels' driver, the output's allocation the only ATen call (the others cost ~2 us, as much
+// as a small product). Undefined otherwise.
+at::Tensor vector_product_rounded(const at::Tensor& a, const at::Tensor& b,
+                                  const at::Tensor* bias) {
+  const std::optional<VectorPlan> p = vector_plan(a, b);
+  if (!p || !(p->rows_few || p->vecs.size(0) == 1)) return {};
+  const int64_t nv = p->vecs.size(0);
+  if (bias != nullptr && !(bias->dim() == 1 && bias->size(0) == p->rows && bias->is_contiguous())) {
+    return {};
+  }
+  at::Tensor out =
+      p->rows_few ? at::empty({nv, p->rows}, a.options()) : at::empty({p->rows, nv}, a.options());
+  kernels::cpu::half_gemv_rounded(
+      p->mat.const_data_ptr(), bridge::kernel_dtype(a, "mm"), p->rows, p->k, p->k_contiguous, p->ld,
+      p->vecs.const_data_ptr(), p->vecs.stride(0), p->vecs.stride(1), nv,
+      bias != nullptr ? bias->const_data_ptr() : nullptr, out.mutable_data_ptr());
+  return out;
 }
 
 // The fp32 result in the half dtype, row-major as LibTorch's kernels return it.
@@ -138,6 +178,7 @@ at::Tensor scaled_sum_rounded(at::Tensor product, const at::Tensor& self, const 
 
 at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
   if (!take({&a, &b})) return at::cpu::mm(a, b);
+  if (at::Tensor y = vector_product_rounded(a, b, nullptr); y.defined()) return y;
   if (const at::Tensor y = vector_product(a, b); y.defined()) return rounded(y, a.scalar_type());
   return at::cpu::mm(wide(a), wide(b)).to(a.scalar_type());
 }
@@ -152,6 +193,9 @@ at::Tensor addmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& 
   if (!take({&self, &a, &b})) return at::cpu::addmm(self, a, b, beta, alpha);
   if (a.dim() == 2 && b.dim() == 2 && !beta.isComplex() && !alpha.isComplex() &&
       at::is_expandable_to(self.sizes(), {a.size(0), b.size(1)})) {
+    if (beta.toDouble() == 1 && alpha.toDouble() == 1 && self.dim() == 1) {
+      if (at::Tensor y = vector_product_rounded(a, b, &self); y.defined()) return y;
+    }
     if (at::Tensor y = vector_product(a, b); y.defined()) {
       return scaled_sum_rounded(y, self, beta, alpha, a.scalar_type());
     }
@@ -178,6 +222,11 @@ at::Tensor addmv(const at::Tensor& self, const at::Tensor& mat, const at::Tensor
   if (!take({&self, &mat, &vec})) return at::cpu::addmv(self, mat, vec, beta, alpha);
   if (mat.dim() == 2 && vec.dim() == 1 && !beta.isComplex() && !alpha.isComplex() &&
       at::is_expandable_to(self.sizes(), {mat.size(0)})) {
+    if (beta.toDouble() == 1 && alpha.toDouble() == 1 && self.dim() == 1) {
+      if (at::Tensor y = vector_product_rounded(mat, vec.unsqueeze(1), &self); y.defined()) {
+        return y.view({mat.size(0)});
+      }
+    }
     if (at::Tensor y = vector_product(mat, vec.unsqueeze(1)); y.defined()) {
       return scaled_sum_rounded(y.squeeze(1), self, beta, alpha, mat.scalar_type());
     }

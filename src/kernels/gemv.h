@@ -18,4 +18,12 @@ namespace apex::kernels::cpu {
 void half_gemv(const void* m, DType t, int64_t rows, int64_t k, bool k_contiguous, int64_t ld,
                const float* v, int64_t nv, float* y);
 
+/// The same product finished in the half dtype, for small calls where ATen's widening and
+/// rounding around half_gemv would cost as much as the product: V given as t elements, element
+/// (i, l) at v[i * vs0 + l * vs1]; out[i * rows + r] = Y[i, r] (+ bias[r], t elements, if bias is
+/// not null) in fp32, rounded once to t (nearest even); out [nv, rows] contiguous.
+void half_gemv_rounded(const void* m, DType t, int64_t rows, int64_t k, bool k_contiguous,
+                       int64_t ld, const void* v, int64_t vs0, int64_t vs1, int64_t nv,
+                       const void* bias, void* out);
+
 }  // namespace apex::kernels::cpu

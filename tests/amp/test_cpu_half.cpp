@@ -116,6 +116,14 @@ std::vector<Case> cases() {
          return at::cat({at::mm(in({1100, 60}, 86), in({60, 64}, 87)).t(),
                          at::mm(in({65, 60}, 88), in({60, 1100}, 89))});
        }},
+      // Few rows with a 1-D bias, beta = alpha = 1: the half result written by the kernels'
+      // driver (widening, sums, bias and rounding there, no ATen calls but the output's).
+      {"linear 5 rows with bias, addmv with self, mm of transposed rows (rounded by the driver)",
+       [](const Input& in) {
+         return at::cat({at::linear(in({5, 33}, 90), in({70, 33}, 91), in({70}, 92)).flatten(),
+                         at::addmv(in({70}, 93), in({70, 33}, 94), in({33}, 95)),
+                         at::mm(in({40, 3}, 96).t(), in({40, 100}, 97)).flatten()});
+       }},
       {"mm one row, b strided both ways (widened)",
        [](const Input& in) {
          return at::mm(in({1, 33}, 53), in({66, 140}, 54).slice(0, 0, 66, 2).slice(1, 0, 140, 2));

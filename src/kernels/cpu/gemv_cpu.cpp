@@ -1,7 +1,12 @@
 // CPU driver of the half matrix-vector products (kernels/gemv.h): rows split over ATen's thread
 // pool, each range by the gemv kernels of the best instruction set (kernels/cpu/isa.h).
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <cstring>
+#include <vector>
 
 #include "kernels/cpu/isa.h"
 #include "kernels/gemv.h"
@@ -38,6 +43,45 @@ void half_gemv(const void* m, DType t, int64_t rows, int64_t k, bool k_contiguou
   at::parallel_for(
       0, blocks, (int64_t{1} << 16) / (per_row * kBlock) + 1,
       [&](int64_t b, int64_t e) { each_group(b * kBlock, e * kBlock < rows ? e * kBlock : rows); });
+}
+
+void half_gemv_rounded(const void* m, DType t, int64_t rows, int64_t k, bool k_contiguous,
+                       int64_t ld, const void* v, int64_t vs0, int64_t vs1, int64_t nv,
+                       const void* bias, void* out) {
+  TORCH_CHECK(t == DType::kBFloat16 || t == DType::kFloat16,
+              "apex half_gemv_rounded: expected bf16 or fp16 elements");
+  const auto& mt = *cpu_kernels().multi_tensor;
+  const auto* vh = static_cast<const uint16_t*>(v);
+  std::vector<float> vf(static_cast<size_t>(nv * k));
+  for (int64_t i = 0; i < nv; ++i) {
+    if (vs1 == 1 || k == 1) {
+      mt.to_float(vh + i * vs0, t, vf.data() + i * k, k);
+      continue;
+    }
+    for (int64_t l = 0; l < k; ++l) {
+      const uint16_t bits = vh[i * vs0 + l * vs1];
+      vf[i * k + l] = t == DType::kBFloat16
+                          ? static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()))
+                          : static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+    }
+  }
+  std::vector<float> y(static_cast<size_t>(nv * rows));
+  half_gemv(m, t, rows, k, k_contiguous, ld, vf.data(), nv, y.data());
+  std::vector<float> b;
+  if (bias != nullptr) {
+    b.resize(static_cast<size_t>(rows));
+    mt.to_float(bias, t, b.data(), rows);
+  }
+  // Row by row (the bias is per column of the output), rows split over the pool.
+  auto* o = static_cast<uint16_t*>(out);
+  at::parallel_for(0, nv, (int64_t{1} << 15) / (rows > 0 ? rows : 1) + 1,
+                   [&](int64_t i0, int64_t i1) {
+                     for (int64_t i = i0; i < i1; ++i) {
+                       float* row = y.data() + i * rows;
+                       for (int64_t r = 0; r < static_cast<int64_t>(b.size()); ++r) row[r] += b[r];
+                       mt.from_float(row, t, o + i * rows, rows);
+                     }
+                   });
 }
 
 }  // namespace apex::kernels::cpu
