@@ -134,7 +134,7 @@ std::vector<Case> cases() {
        }},
       // Small batches (control policies, recurrent cells stepped by hand): ten calls per run,
       // each product a few rows against a weight read whole.
-      {"linear16", "linear 16x256 -> 1024 x10, fwd+bwd", bf16, 10 * 3 * 2.0 * 16 * 256 * 1024,
+      {"linear16", "linear 16x256 -> 1024 x10, fwd+bwd", both, 10 * 3 * 2.0 * 16 * 256 * 1024,
        [](at::ScalarType t) {
          const at::Tensor x = input({16, 256}, t, 53, true);
          const at::Tensor w = input({1024, 256}, t, 54, true);
@@ -145,7 +145,7 @@ std::vector<Case> cases() {
            return y;
          });
        }},
-      {"lstm_cell", "LSTMCell 16x256 -> 256 x10 steps, fwd+bwd", bf16,
+      {"lstm_cell", "LSTMCell 16x256 -> 256 x10 steps, fwd+bwd", both,
        10 * 3 * 2.0 * 16 * 512 * 1024,
        [](at::ScalarType t) {
          const at::Tensor x = input({10, 16, 256}, t, 57, true);
@@ -162,7 +162,7 @@ std::vector<Case> cases() {
            return std::get<0>(hc);
          });
        }},
-      {"gru_cell", "GRUCell 16x256 -> 256 x10 steps, fwd+bwd", bf16, 10 * 3 * 2.0 * 16 * 512 * 768,
+      {"gru_cell", "GRUCell 16x256 -> 256 x10 steps, fwd+bwd", both, 10 * 3 * 2.0 * 16 * 512 * 768,
        [](at::ScalarType t) {
          const at::Tensor x = input({10, 16, 256}, t, 65, true);
          const at::Tensor h = input({16, 256}, t, 66);
