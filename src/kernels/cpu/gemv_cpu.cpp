@@ -5,7 +5,6 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
-#include <cstring>
 #include <vector>
 
 #include "kernels/cpu/isa.h"
