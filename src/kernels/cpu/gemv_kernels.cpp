@@ -94,12 +94,15 @@ void sum_lanes4(const Lanes* acc, float* s) {
 // in k's order (in lanes for the dot form, then the lanes' tree and the tail), whatever the tile.
 constexpr int kRegs = kVec == 16 ? 32 : 16;
 
-// Dot form (rows contiguous): R rows by NV vectors, one kVec-lane sum each.
+// Matrix registers per tile (dot form: rows, axpy form: registers of rows) for NV vectors: tile x
+// NV sums, tile matrix values and one vector value in the registers.
 template <int NV>
-constexpr int kDotRows = NV == 1       ? 8
-                         : kRegs == 32 ? 6
-                         : NV == 2     ? 4
-                                       : 3;
+constexpr int kTileRegs = NV == 1       ? 8
+                          : kRegs == 32 ? (NV == 2 ? 8 : 6)
+                          : NV == 2     ? 4
+                                        : 3;
+
+// Dot form (rows contiguous): R rows by NV vectors, one kVec-lane sum each.
 
 template <bool kBf16, int R, int NV>
 void dot_tile(const uint16_t* m, int64_t ld, int64_t k, const float* v, int64_t ldv, float* y,
@@ -133,7 +136,7 @@ void dot_tile(const uint16_t* m, int64_t ld, int64_t k, const float* v, int64_t 
 template <bool kBf16, int NV>
 void dot_rows_t(const uint16_t* m, int64_t ld, int64_t rows, int64_t k, const float* v, int64_t ldv,
                 float* y, int64_t ldy) {
-  constexpr int R = kDotRows<NV>;
+  constexpr int R = kTileRegs<NV>;
   int64_t r = 0;
   for (; r + R <= rows; r += R) dot_tile<kBf16, R, NV>(m + r * ld, ld, k, v, ldv, y + r, ldy);
   for (; r < rows; ++r) dot_tile<kBf16, 1, NV>(m + r * ld, ld, k, v, ldv, y + r, ldy);
@@ -141,11 +144,6 @@ void dot_rows_t(const uint16_t* m, int64_t ld, int64_t rows, int64_t k, const fl
 
 // Axpy form (columns contiguous): J registers of rows by NV vectors, each column's kVec-row pieces
 // scaled by the vectors' elements and added in registers; the results stored once.
-template <int NV>
-constexpr int kAxpyRegs = kRegs == 32 ? (NV <= 2 ? 8 : 6)
-                          : NV == 1   ? 8
-                          : NV == 2   ? 4
-                                      : 3;
 
 template <bool kBf16, int J, int NV>
 void axpy_tile(const uint16_t* m, int64_t ld, int64_t k, const float* v, int64_t ldv, float* y,
@@ -171,7 +169,7 @@ void axpy_tile(const uint16_t* m, int64_t ld, int64_t k, const float* v, int64_t
 template <bool kBf16, int NV>
 void axpy_cols_t(const uint16_t* m, int64_t ld, int64_t rows, int64_t k, const float* v,
                  int64_t ldv, float* y, int64_t ldy) {
-  constexpr int J = kAxpyRegs<NV>;
+  constexpr int J = kTileRegs<NV>;
   int64_t r = 0;
   for (; r + J * kVec <= rows; r += J * kVec) {
     axpy_tile<kBf16, J, NV>(m + r, ld, k, v, ldv, y + r, ldy);
