@@ -145,6 +145,16 @@ std::vector<Case> cases() {
            return y;
          });
        }},
+      {"linear1", "linear 1x256 -> 256 x100, no grad (batch 1)", both, 100 * 2.0 * 256 * 256,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({1, 256}, t, 72);
+         const at::Tensor w = input({256, 256}, t, 73);
+         const at::Tensor b = input({256}, t, 74);
+         return std::function<void()>([x, w, b] {
+           const at::NoGradGuard no_grad;
+           for (int i = 0; i < 100; ++i) at::linear(x, w, b);
+         });
+       }},
       {"lstm_cell", "LSTMCell 16x256 -> 256 x10 steps, fwd+bwd", both,
        10 * 3 * 2.0 * 16 * 512 * 1024,
        [](at::ScalarType t) {
