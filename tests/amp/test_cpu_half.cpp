@@ -6,6 +6,7 @@
 #include <apex/amp/cpu_half.h>
 
 #include <functional>
+#include <limits>
 #include <thread>
 
 #include "amp_test_util.h"
@@ -588,6 +589,44 @@ TEST(CpuHalfFallback, VectorProductsDoNotDependOnThreadsOrBatch) {
     }
   }
   at::set_num_threads(threads);
+}
+
+// NaN and infinity reach the output as in the fp32 product rounded once, on every product path:
+// widened (many rows), the vector kernels' fp32 result (few columns), their driver's rounded
+// result with and without a bias (few rows), addmv.
+TEST(CpuHalfFallback, NonFiniteValuesPropagate) {
+  const ForceAvailable force;
+  for (const auto t : {at::kBFloat16, at::kHalf}) {
+    at::Tensor a = exact({70, 40}, t, 98), w = exact({300, 40}, t, 99), bias = exact({300}, t, 100);
+    a[2][5] = std::numeric_limits<float>::quiet_NaN();
+    a[3][7] = std::numeric_limits<float>::infinity();
+    w[9][1] = -std::numeric_limits<float>::infinity();
+    const auto wide = [](const at::Tensor& x) { return x.to(at::kFloat); };
+    const std::vector<std::pair<std::function<at::Tensor()>, at::Tensor>> cases = {
+        {[&] { return at::mm(a, w.t()); }, at::mm(wide(a), wide(w).t())},
+        {[&] { return at::mm(w, a.slice(0, 0, 6).t()); },
+         at::mm(wide(w), wide(a).slice(0, 0, 6).t())},
+        {[&] { return at::mm(a.slice(0, 0, 6), w.t()); },
+         at::mm(wide(a).slice(0, 0, 6), wide(w).t())},
+        {[&] { return at::linear(a.slice(0, 0, 6), w, bias); },
+         at::linear(wide(a).slice(0, 0, 6), wide(w), wide(bias))},
+        {[&] { return at::addmv(bias, w, a[2]); }, at::addmv(wide(bias), wide(w), wide(a)[2])},
+    };
+    for (size_t i = 0; i < cases.size(); ++i) {
+      at::Tensor got;
+      {
+        const CpuHalfFallbackGuard guard;
+        got = cases[i].first();
+      }
+      const at::Tensor want = cases[i].second.to(t);
+      ASSERT_TRUE(at::isnan(want).any().item<bool>()) << i;  // the case has them
+      EXPECT_TRUE(at::isnan(got).equal(at::isnan(want))) << t << " case " << i;
+      EXPECT_TRUE(at::isinf(got).equal(at::isinf(want))) << t << " case " << i;
+      const at::Tensor finite = at::isfinite(want);
+      EXPECT_TRUE(rounded_once(got.masked_select(finite), cases[i].second.masked_select(finite)))
+          << t << " case " << i;
+    }
+  }
 }
 
 TEST(CpuHalfFallback, ScopeOnOffNestedThreadsExceptions) {
