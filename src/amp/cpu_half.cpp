@@ -127,37 +127,33 @@ std::optional<VectorPlan> vector_plan(const at::Tensor& a, const at::Tensor& b) 
   return p;
 }
 
-// The fp32 product where the vector kernels take it (vector_plan); undefined otherwise. Widening
-// all of M for a few vectors cost 2-5x the fp32 product.
-at::Tensor vector_product(const at::Tensor& a, const at::Tensor& b) {
-  const std::optional<VectorPlan> p = vector_plan(a, b);
-  if (!p) return {};
-  const at::Tensor v = p->vecs.to(at::kFloat, false, false, at::MemoryFormat::Contiguous);
-  at::Tensor y = at::empty({p->vecs.size(0), p->rows}, a.options().dtype(at::kFloat));
-  kernels::cpu::half_gemv(p->mat.const_data_ptr(), bridge::kernel_dtype(a, "mm"), p->rows, p->k,
-                          p->k_contiguous, p->ld, v.const_data_ptr<float>(), p->vecs.size(0),
+// The fp32 product by the vector kernels, as planned. Widening all of M for a few vectors cost 2-5x
+// the fp32 product.
+at::Tensor vector_product(const VectorPlan& p) {
+  const at::Tensor v = p.vecs.to(at::kFloat, false, false, at::MemoryFormat::Contiguous);
+  at::Tensor y = at::empty({p.vecs.size(0), p.rows}, p.mat.options().dtype(at::kFloat));
+  kernels::cpu::half_gemv(p.mat.const_data_ptr(), bridge::kernel_dtype(p.mat, "mm"), p.rows, p.k,
+                          p.k_contiguous, p.ld, v.const_data_ptr<float>(), p.vecs.size(0),
                           y.mutable_data_ptr<float>());
-  return p->rows_few ? y : y.t();
+  return p.rows_few ? y : y.t();
 }
 
-// The half result of a @ b (+ bias, the half row added in fp32 before the one rounding: addmm's
-// beta = alpha = 1 with a 1-D self) where the vector kernels take the product and their result
-// is already in the output's layout (few rows, or one column): widening, sum and rounding inside
-// the kernels' driver, the output's allocation the only ATen call (the others cost ~2 us, as much
-// as a small product). Undefined otherwise.
-at::Tensor vector_product_rounded(const at::Tensor& a, const at::Tensor& b,
-                                  const at::Tensor* bias) {
-  const std::optional<VectorPlan> p = vector_plan(a, b);
-  if (!p || !(p->rows_few || p->vecs.size(0) == 1)) return {};
-  const int64_t nv = p->vecs.size(0);
-  if (bias != nullptr && !(bias->dim() == 1 && bias->size(0) == p->rows && bias->is_contiguous())) {
+// The half result of the planned product (+ bias, the half row added in fp32 before the one
+// rounding: addmm's beta = alpha = 1 with a 1-D self) where the kernels' result is already in the
+// output's layout (few rows, or one column): widening, sum and rounding inside the kernels'
+// driver, the output's allocation the only ATen call (the others cost ~2 us, as much as a small
+// product). Undefined otherwise.
+at::Tensor vector_product_rounded(const VectorPlan& p, const at::Tensor* bias) {
+  const int64_t nv = p.vecs.size(0);
+  if (!(p.rows_few || nv == 1)) return {};
+  if (bias != nullptr && !(bias->dim() == 1 && bias->size(0) == p.rows && bias->is_contiguous())) {
     return {};
   }
-  at::Tensor out =
-      p->rows_few ? at::empty({nv, p->rows}, a.options()) : at::empty({p->rows, nv}, a.options());
+  at::Tensor out = p.rows_few ? at::empty({nv, p.rows}, p.mat.options())
+                              : at::empty({p.rows, nv}, p.mat.options());
   kernels::cpu::half_gemv_rounded(
-      p->mat.const_data_ptr(), bridge::kernel_dtype(a, "mm"), p->rows, p->k, p->k_contiguous, p->ld,
-      p->vecs.const_data_ptr(), p->vecs.stride(0), p->vecs.stride(1), nv,
+      p.mat.const_data_ptr(), bridge::kernel_dtype(p.mat, "mm"), p.rows, p.k, p.k_contiguous, p.ld,
+      p.vecs.const_data_ptr(), p.vecs.stride(0), p.vecs.stride(1), nv,
       bias != nullptr ? bias->const_data_ptr() : nullptr, out.mutable_data_ptr());
   return out;
 }
@@ -178,8 +174,10 @@ at::Tensor scaled_sum_rounded(at::Tensor product, const at::Tensor& self, const 
 
 at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
   if (!take({&a, &b})) return at::cpu::mm(a, b);
-  if (at::Tensor y = vector_product_rounded(a, b, nullptr); y.defined()) return y;
-  if (const at::Tensor y = vector_product(a, b); y.defined()) return rounded(y, a.scalar_type());
+  if (const std::optional<VectorPlan> p = vector_plan(a, b)) {
+    if (at::Tensor y = vector_product_rounded(*p, nullptr); y.defined()) return y;
+    return rounded(vector_product(*p), a.scalar_type());
+  }
   return at::cpu::mm(wide(a), wide(b)).to(a.scalar_type());
 }
 
@@ -193,11 +191,11 @@ at::Tensor addmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& 
   if (!take({&self, &a, &b})) return at::cpu::addmm(self, a, b, beta, alpha);
   if (a.dim() == 2 && b.dim() == 2 && !beta.isComplex() && !alpha.isComplex() &&
       at::is_expandable_to(self.sizes(), {a.size(0), b.size(1)})) {
-    if (beta.toDouble() == 1 && alpha.toDouble() == 1 && self.dim() == 1) {
-      if (at::Tensor y = vector_product_rounded(a, b, &self); y.defined()) return y;
-    }
-    if (at::Tensor y = vector_product(a, b); y.defined()) {
-      return scaled_sum_rounded(y, self, beta, alpha, a.scalar_type());
+    if (const std::optional<VectorPlan> p = vector_plan(a, b)) {
+      if (beta.toDouble() == 1 && alpha.toDouble() == 1 && self.dim() == 1) {
+        if (at::Tensor y = vector_product_rounded(*p, &self); y.defined()) return y;
+      }
+      return scaled_sum_rounded(vector_product(*p), self, beta, alpha, a.scalar_type());
     }
   }
   return at::cpu::addmm(wide(self), wide(a), wide(b), beta, alpha).to(a.scalar_type());
@@ -222,13 +220,14 @@ at::Tensor addmv(const at::Tensor& self, const at::Tensor& mat, const at::Tensor
   if (!take({&self, &mat, &vec})) return at::cpu::addmv(self, mat, vec, beta, alpha);
   if (mat.dim() == 2 && vec.dim() == 1 && !beta.isComplex() && !alpha.isComplex() &&
       at::is_expandable_to(self.sizes(), {mat.size(0)})) {
-    if (beta.toDouble() == 1 && alpha.toDouble() == 1 && self.dim() == 1) {
-      if (at::Tensor y = vector_product_rounded(mat, vec.unsqueeze(1), &self); y.defined()) {
-        return y.view({mat.size(0)});
+    if (const std::optional<VectorPlan> p = vector_plan(mat, vec.unsqueeze(1))) {
+      if (beta.toDouble() == 1 && alpha.toDouble() == 1 && self.dim() == 1) {
+        if (at::Tensor y = vector_product_rounded(*p, &self); y.defined()) {
+          return y.view({mat.size(0)});
+        }
       }
-    }
-    if (at::Tensor y = vector_product(mat, vec.unsqueeze(1)); y.defined()) {
-      return scaled_sum_rounded(y.squeeze(1), self, beta, alpha, mat.scalar_type());
+      return scaled_sum_rounded(vector_product(*p).squeeze(1), self, beta, alpha,
+                                mat.scalar_type());
     }
   }
   return at::cpu::addmv(wide(self), wide(mat), wide(vec), beta, alpha).to(mat.scalar_type());

@@ -66,19 +66,26 @@ void half_gemv_rounded(const void* m, DType t, int64_t rows, int64_t k, bool k_c
   }
   std::vector<float> y(static_cast<size_t>(nv * rows));
   half_gemv(m, t, rows, k, k_contiguous, ld, vf.data(), nv, y.data());
-  std::vector<float> b;
-  if (bias != nullptr) {
-    b.resize(static_cast<size_t>(rows));
-    mt.to_float(bias, t, b.data(), rows);
-  }
-  // Row by row (the bias is per column of the output), rows split over the pool.
+  // Row by row (the bias is per column of the output), rows split over the pool: rounded as
+  // stored, with the bias through the multi-tensor axpby (1 * row + 1 * bias, as half_add_rows).
   auto* o = static_cast<uint16_t*>(out);
   at::parallel_for(0, nv, (int64_t{1} << 15) / (rows > 0 ? rows : 1) + 1,
                    [&](int64_t i0, int64_t i1) {
                      for (int64_t i = i0; i < i1; ++i) {
                        float* row = y.data() + i * rows;
-                       for (int64_t r = 0; r < static_cast<int64_t>(b.size()); ++r) row[r] += b[r];
-                       mt.from_float(row, t, o + i * rows, rows);
+                       if (bias == nullptr) {
+                         mt.from_float(row, t, o + i * rows, rows);
+                         continue;
+                       }
+                       Span s;
+                       s.p[0] = row;
+                       s.t[0] = DType::kFloat32;
+                       s.p[1] = const_cast<void*>(bias);
+                       s.t[1] = t;
+                       s.p[2] = o + i * rows;
+                       s.t[2] = t;
+                       s.n = rows;
+                       mt.axpby(s, 1.0f, 1.0f, kAxpbyCheckNone);
                      }
                    });
 }
