@@ -36,6 +36,7 @@
 
 #include "bridge/bridge.h"
 #include "kernels/activation.h"
+#include "kernels/gemm.h"
 #include "kernels/gemv.h"
 #include "kernels/half_add.h"
 
@@ -51,6 +52,7 @@ namespace {
 
 thread_local int active_depth = 0;
 thread_local uint64_t route_calls = 0;  // calls the route took in this thread (tests)
+thread_local uint64_t gemm_calls = 0;   // of them, apex's own product (tests)
 std::atomic<int> forced{-1};            // -1: decide; 0/1: tests' choice
 
 // Per dtype: a CPU can be fast in one and slow in the other (AVX-512 without AVX512-FP16, as
@@ -158,6 +160,69 @@ at::Tensor vector_product_rounded(const VectorPlan& p, const at::Tensor* bias) {
   return out;
 }
 
+// Products the vector kernels do not take: apex's own product (kernels/gemm.h), which widens the
+// operands as it packs them and rounds the result as it stores it, where the CPU's kernel table
+// has it (AVX2 and wider); APEX_CPU_HALF_GEMM=0 widens both operands for LibTorch's fp32 product
+// instead (to compare). Under the AVX2 emulation 1.1-1.3x faster than widening + MKL's sgemm +
+// rounding on the transformer's shapes, and faster than MKL's fp32 product alone on these AMD
+// hosts (docs/benchmarks.md, "One pass").
+bool own_gemm() {
+  static const bool on = [] {
+    const char* env = std::getenv("APEX_CPU_HALF_GEMM");
+    return kernels::cpu::half_gemm_available() && !(env != nullptr && std::strcmp(env, "0") == 0);
+  }();
+  return on;
+}
+
+// beta * self + alpha * (a b) by the own product, 2-D or 3-D operands of one half dtype (self
+// null or expandable to the result), as a new contiguous half tensor; undefined where it does
+// not apply (the caller widens then).
+at::Tensor gemm_rounded(const at::Tensor& a, const at::Tensor& b, const at::Tensor* self,
+                        const at::Scalar& beta, const at::Scalar& alpha) {
+  if (!own_gemm() || a.dim() != b.dim() || (a.dim() != 2 && a.dim() != 3)) return {};
+  if (beta.isComplex() || alpha.isComplex()) return {};
+  const bool batched = a.dim() == 3;
+  const int64_t m = a.size(-2), k = a.size(-1), n = b.size(-1);
+  const int64_t batch = batched ? a.size(0) : 1;
+  if (b.size(-2) != k || (batched && b.size(0) != batch) || m == 0 || n == 0 || k == 0 ||
+      batch == 0) {
+    return {};
+  }
+  const std::vector<int64_t> sizes =
+      batched ? std::vector<int64_t>{batch, m, n} : std::vector<int64_t>{m, n};
+  at::Tensor s;
+  const float beta_f = static_cast<float>(beta.toDouble());
+  if (self != nullptr && beta_f != 0.0f) {
+    if (!at::is_expandable_to(self->sizes(), sizes)) return {};
+    s = self->expand(sizes);
+  }
+  at::Tensor out = at::empty(sizes, a.options());
+  kernels::cpu::HalfGemm g;
+  g.t = bridge::kernel_dtype(a, "mm");
+  g.batch = batch;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  const auto strides = [&](const at::Tensor& x, const void*& p, int64_t& sb, int64_t& s0,
+                           int64_t& s1) {
+    p = x.const_data_ptr();
+    sb = batched ? x.stride(0) : 0;
+    s0 = x.stride(-2);
+    s1 = x.stride(-1);
+  };
+  strides(a, g.a, g.a_b, g.a_m, g.a_k);
+  strides(b, g.b, g.b_b, g.b_k, g.b_n);
+  const void* c = nullptr;
+  strides(out, c, g.c_b, g.c_m, g.c_n);
+  g.c = out.mutable_data_ptr();
+  if (s.defined()) strides(s, g.s, g.s_b, g.s_m, g.s_n);
+  g.alpha = static_cast<float>(alpha.toDouble());
+  g.beta = beta_f;
+  kernels::cpu::half_gemm(g);
+  ++gemm_calls;
+  return out;
+}
+
 // The fp32 result in the half dtype, row-major as LibTorch's kernels return it.
 at::Tensor rounded(const at::Tensor& y, at::ScalarType t) {
   return y.to(t, false, false, at::MemoryFormat::Contiguous);
@@ -178,11 +243,13 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
     if (at::Tensor y = vector_product_rounded(*p, nullptr); y.defined()) return y;
     return rounded(vector_product(*p), a.scalar_type());
   }
+  if (at::Tensor y = gemm_rounded(a, b, nullptr, 0, 1); y.defined()) return y;
   return at::cpu::mm(wide(a), wide(b)).to(a.scalar_type());
 }
 
 at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
   if (!take({&a, &b})) return at::cpu::bmm(a, b);
+  if (at::Tensor y = gemm_rounded(a, b, nullptr, 0, 1); y.defined()) return y;
   return at::cpu::bmm(wide(a), wide(b)).to(a.scalar_type());
 }
 
@@ -198,12 +265,14 @@ at::Tensor addmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& 
       return scaled_sum_rounded(vector_product(*p), self, beta, alpha, a.scalar_type());
     }
   }
+  if (at::Tensor y = gemm_rounded(a, b, &self, beta, alpha); y.defined()) return y;
   return at::cpu::addmm(wide(self), wide(a), wide(b), beta, alpha).to(a.scalar_type());
 }
 
 at::Tensor baddbmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
                    const at::Scalar& beta, const at::Scalar& alpha) {
   if (!take({&self, &a, &b})) return at::cpu::baddbmm(self, a, b, beta, alpha);
+  if (at::Tensor y = gemm_rounded(a, b, &self, beta, alpha); y.defined()) return y;
   return at::cpu::baddbmm(wide(self), wide(a), wide(b), beta, alpha).to(a.scalar_type());
 }
 
@@ -692,6 +761,8 @@ void force_cpu_half_fallback_available(std::optional<bool> value) {
 }
 
 uint64_t cpu_half_route_calls() { return route_calls; }
+bool cpu_half_own_gemm() { return own_gemm(); }
+uint64_t cpu_half_gemm_calls() { return gemm_calls; }
 }  // namespace detail
 
 }  // namespace apex::amp

@@ -147,6 +147,46 @@ std::vector<Case> cases() {
          return at::cat({at::addmv(in({1}, 76), in({9, 40}, 77), in({40}, 78)),
                          at::addmv(in({5}, 79), in({5, 0}, 80), in({0}, 81), 2.0, 1.0)});
        }},
+      // More than 64 rows and columns: apex's own product where the CPU's kernel table has it
+      // (kernels/gemm.h): k in several blocks of 256 and a tail, rows and columns that fill
+      // neither a 6 x 16 tile nor a 72-row block, each operand's layout, strided rows.
+      // (Each product its own leaves: a leaf used twice gets its gradient summed in the half
+      // dtype, rounded twice.)
+      {"mm 100x600 by 600x77, each layout",
+       [](const Input& in) {
+         return at::cat({at::mm(in({100, 600}, 90), in({600, 77}, 91)),
+                         at::mm(in({600, 100}, 92).t(), in({77, 600}, 93).t()),
+                         at::mm(in({100, 600}, 90), in({77, 600}, 93).t()),
+                         at::mm(in({600, 100}, 92).t(), in({600, 77}, 91))});
+       }},
+      {"mm with rows strided in k, k = 1, k = 7",
+       [](const Input& in) {
+         return at::cat({at::mm(in({90, 300}, 94).slice(1, 3, 203, 2), in({100, 70}, 95)),
+                         at::mm(in({90, 1}, 96), in({1, 70}, 97)),
+                         at::mm(in({90, 7}, 98), in({70, 7}, 99).t())});
+       }},
+      {"addmm 1-D bias, full self with alpha and beta, a column with beta 0",
+       [](const Input& in) {
+         return at::cat(
+             {at::addmm(in({80}, 102), in({130, 300}, 100), in({300, 80}, 101)),
+              at::addmm(in({130, 80}, 103), in({130, 300}, 100), in({300, 80}, 101), 0.5, 2.0),
+              at::addmm(in({130, 1}, 104), in({130, 300}, 100), in({300, 80}, 101), 0.0, 1.0)});
+       }},
+      {"bmm a broadcast batch (stride 0)",
+       [](const Input& in) {
+         return at::bmm(in({1, 70, 90}, 106).expand({3, 70, 90}), in({3, 90, 80}, 105));
+       },
+       false},  // its gradient is a sum over the batch in the half dtype (rounded twice)
+      {"bmm, baddbmm: transposed operands, a 1-D self",
+       [](const Input& in) {
+         return at::cat(
+             {at::bmm(in({3, 90, 70}, 107).transpose(1, 2), in({3, 80, 90}, 108).transpose(1, 2)),
+              at::baddbmm(in({80}, 109), in({3, 70, 90}, 110), in({3, 90, 80}, 105), 0.5, 1.5)});
+       }},
+      {"linear 3-D, 2 x 50 tokens of 300 features to 130 (C++ Linear: matmul, bias in place)",
+       [](const Input& in) {
+         return at::linear(in({2, 50, 300}, 111), in({130, 300}, 112), in({130}, 113));
+       }},
       {"addmm",
        [](const Input& in) {
          return at::addmm(in({4}, 7), in({6, 17}, 8), in({17, 4}, 9), 0.5, 2.0);
@@ -587,6 +627,42 @@ TEST(CpuHalfFallback, VectorProductsDoNotDependOnThreadsOrBatch) {
       EXPECT_TRUE(at::mm(one, w.t()).equal(got[0][1].slice(0, row, row + 1))) << t << row;
       EXPECT_TRUE(at::mm(a.slice(0, 0, 9), b).equal(got[0][0].slice(0, 0, 9))) << t;
     }
+  }
+  at::set_num_threads(threads);
+}
+
+// apex's own product (kernels/gemm.h) sums each output in an order fixed by k alone: the same bits
+// on 1 and 4 threads, and for a block of rows or columns computed alone (other splits, tiles and
+// blocks). It takes the larger products wherever the CPU has AVX2 with FMA (unless a narrower
+// kernel table or APEX_CPU_HALF_GEMM=0 is asked for).
+TEST(CpuHalfFallback, OwnProductDoesNotDependOnThreadsOrSplit) {
+  const ForceAvailable force;
+  const char* isa = std::getenv("APEX_CPU_ISA");
+  const char* off = std::getenv("APEX_CPU_HALF_GEMM");
+  const bool own = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                   !(isa != nullptr && std::string(isa) == "baseline") &&
+                   !(off != nullptr && std::string(off) == "0");
+  EXPECT_EQ(apex::amp::detail::cpu_half_own_gemm(), own);
+  const int threads = at::get_num_threads();
+  for (const auto t : {at::kBFloat16, at::kHalf}) {
+    const at::Tensor a = exact({300, 700}, t, 120), b = exact({700, 500}, t, 121);
+    const at::Tensor w = exact({3, 150, 700}, t, 122);
+    std::vector<at::Tensor> got[2];
+    for (const int n : {1, 4}) {
+      at::set_num_threads(n);
+      const CpuHalfFallbackGuard guard;
+      const uint64_t before = apex::amp::detail::cpu_half_gemm_calls();
+      got[n == 4] = {at::mm(a, b), at::mm(b.t(), a.t()), at::bmm(w, b.expand({3, 700, 500}))};
+      EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls() - before, own ? 3u : 0u) << t;
+    }
+    for (size_t i = 0; i < got[0].size(); ++i) EXPECT_TRUE(got[0][i].equal(got[1][i])) << t << i;
+    const CpuHalfFallbackGuard guard;
+    EXPECT_TRUE(at::mm(a.slice(0, 72, 200), b).equal(got[0][0].slice(0, 72, 200))) << t;
+    EXPECT_TRUE(at::mm(a, b.slice(1, 16, 400)).equal(got[0][0].slice(1, 16, 400))) << t;
+    EXPECT_TRUE(at::mm(w[1], b).equal(got[0][2][1])) << t;
+    const at::Tensor want = at::mm(a.to(at::kFloat), b.to(at::kFloat));
+    EXPECT_TRUE(rounded_once(got[0][0], want)) << t;
+    EXPECT_TRUE(rounded_once(got[0][1], want.t())) << t;
   }
   at::set_num_threads(threads);
 }

@@ -35,7 +35,7 @@ CpuKernels select_kernels() {
 #define APEX_ISA_ENTRY(name, runs)                                                   \
   IsaEntry{#name, runs,                                                              \
            CpuKernels{#name, &multi_tensor_kernels_##name(), &norm_kernels_##name(), \
-                      &lookup_kernels_##name(), &gemv_kernels_##name()}},
+                      &lookup_kernels_##name(), &gemv_kernels_##name(), &gemm_kernels_##name()}},
   const IsaEntry entries[] = {APEX_FOR_EACH_CPU_ISA(APEX_ISA_ENTRY)};
 #undef APEX_ISA_ENTRY
   const size_t count = std::size(entries);

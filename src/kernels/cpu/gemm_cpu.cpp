@@ -1,0 +1,128 @@
+// CPU driver of the half-precision matrix products (kernels/gemm.h): blocks of the output split
+// over ATen's thread pool, each packed and multiplied by the kernels of the best instruction set
+// (kernels/cpu/isa.h, GemmKernels), its fp32 sums finished and rounded by the multi-tensor
+// conversions.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels/cpu/isa.h"
+#include "kernels/gemm.h"
+
+namespace apex::kernels::cpu {
+namespace {
+
+// B is packed whole over k for a chunk of columns, as wide as fits in this many floats (4 MiB:
+// the chunk is reused by every block of rows, from L3), at least one panel.
+constexpr int64_t kPackedB = int64_t{1} << 20;
+
+int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+// Per-thread buffers, kept between calls (a product's packing needs at most ~4.3 MiB).
+struct Buffers {
+  std::vector<float> a, b, c, s;
+  static float* sized(std::vector<float>& v, int64_t n) {
+    // 64-byte aligned, 16 floats of room past the end (the packing's overlapping stores).
+    if (static_cast<int64_t>(v.size()) < n + 32) v.resize(static_cast<size_t>(n + 32));
+    auto p = reinterpret_cast<uintptr_t>(v.data());
+    return reinterpret_cast<float*>((p + 63) & ~uintptr_t{63});
+  }
+};
+thread_local Buffers buffers;
+
+float half_to_float(uint16_t h, DType t) {
+  return t == DType::kBFloat16 ? static_cast<float>(c10::BFloat16(h, c10::BFloat16::from_bits()))
+                               : static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+uint16_t float_to_half(float f, DType t) {
+  return t == DType::kBFloat16 ? c10::BFloat16(f).x : c10::Half(f).x;
+}
+
+}  // namespace
+
+bool half_gemm_available() { return cpu_kernels().gemm->multiply != nullptr; }
+
+void half_gemm(const HalfGemm& g) {
+  TORCH_CHECK(g.t == DType::kBFloat16 || g.t == DType::kFloat16,
+              "apex half_gemm: expected bf16 or fp16 elements");
+  TORCH_CHECK(g.m > 0 && g.n > 0 && g.k > 0 && g.batch > 0, "apex half_gemm: empty product ", g.m,
+              "x", g.k, " by ", g.k, "x", g.n, " (batch ", g.batch, ")");
+  const GemmKernels& kern = *cpu_kernels().gemm;
+  TORCH_CHECK(kern.multiply != nullptr, "apex half_gemm: not available on this CPU");
+  const MultiTensorKernels& mt = *cpu_kernels().multi_tensor;
+  const DType t = g.t;
+  const int64_t kp = round_up(g.k, kGemmKc);
+  const int64_t chunk =
+      std::min(round_up(g.n, kGemmNr), std::max(kGemmNr, kPackedB / kp / kGemmNr * kGemmNr));
+  const int64_t chunks = (g.n + chunk - 1) / chunk;
+  // Rows split further only where batches and column chunks do not give each thread two items.
+  const int64_t row_blocks = (g.m + kGemmMc - 1) / kGemmMc;
+  const int64_t wanted = 2 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t per_rows =
+      std::clamp<int64_t>((wanted + g.batch * chunks - 1) / (g.batch * chunks), 1, row_blocks);
+  const int64_t items = g.batch * chunks * per_rows;
+  const bool with_s = g.s != nullptr && g.beta != 0.0f;
+  const auto* a16 = static_cast<const uint16_t*>(g.a);
+  const auto* b16 = static_cast<const uint16_t*>(g.b);
+  const auto* s16 = static_cast<const uint16_t*>(g.s);
+  auto* c16 = static_cast<uint16_t*>(g.c);
+
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    Buffers& buf = buffers;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bi = item / (chunks * per_rows);
+      const int64_t ci = item / per_rows % chunks;
+      const int64_t ri = item % per_rows;
+      const int64_t j0 = ci * chunk, nc = std::min(chunk, g.n - j0), ncp = round_up(nc, kGemmNr);
+      const int64_t i_begin = row_blocks * ri / per_rows * kGemmMc;
+      const int64_t i_end = std::min(g.m, row_blocks * (ri + 1) / per_rows * kGemmMc);
+      const uint16_t* a = a16 + bi * g.a_b;
+      const uint16_t* b = b16 + bi * g.b_b + j0 * g.b_n;
+      float* pb = Buffers::sized(buf.b, kp * ncp);
+      for (int64_t l = 0; l < g.k; l += kGemmKc) {
+        kern.pack_b(b + l * g.b_k, g.b_k, g.b_n, nc, g.n - j0, std::min(kGemmKc, g.k - l),
+                    pb + l * ncp, t);
+      }
+      float* pa = Buffers::sized(buf.a, kGemmMc * kGemmKc);
+      float* c = Buffers::sized(buf.c, round_up(kGemmMc, kGemmMr) * ncp);
+      float* srow = Buffers::sized(buf.s, ncp);
+      for (int64_t i0 = i_begin; i0 < i_end; i0 += kGemmMc) {
+        const int64_t mc = std::min(kGemmMc, i_end - i0);
+        for (int64_t l = 0; l < g.k; l += kGemmKc) {
+          const int64_t kc = std::min(kGemmKc, g.k - l);
+          kern.pack_a(a + i0 * g.a_m + l * g.a_k, g.a_m, g.a_k, mc, g.m - i0, kc, pa, t);
+          kern.multiply(pa, pb + l * ncp, mc, ncp, kc, c, ncp, l > 0);
+        }
+        // Finished row by row: alpha, beta * S in fp32, one rounding.
+        for (int64_t i = 0; i < mc; ++i) {
+          float* row = c + i * ncp;
+          if (g.alpha != 1.0f) {
+            for (int64_t j = 0; j < nc; ++j) row[j] *= g.alpha;
+          }
+          if (with_s) {
+            const uint16_t* s = s16 + bi * g.s_b + (i0 + i) * g.s_m + j0 * g.s_n;
+            if (g.s_n == 1) {
+              mt.to_float(s, t, srow, nc);
+            } else {
+              for (int64_t j = 0; j < nc; ++j) srow[j] = half_to_float(s[j * g.s_n], t);
+            }
+            for (int64_t j = 0; j < nc; ++j) row[j] += g.beta * srow[j];
+          }
+          uint16_t* out = c16 + bi * g.c_b + (i0 + i) * g.c_m + j0 * g.c_n;
+          if (g.c_n == 1) {
+            mt.from_float(row, t, out, nc);
+          } else {
+            for (int64_t j = 0; j < nc; ++j) out[j * g.c_n] = float_to_half(row[j], t);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace apex::kernels::cpu

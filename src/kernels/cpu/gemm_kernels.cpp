@@ -1,0 +1,198 @@
+// Per-ISA kernels of the half-precision matrix products (isa.h, GemmKernels; the driver:
+// gemm_cpu.cpp): operands widened from bf16/fp16 as they are packed into fp32 panels, and a
+// register-tiled 6 x 16 fp32 multiply-add kernel. Compiled once per instruction set (vec.h); the
+// tables of ISAs without AVX2's FMA and F16C are empty, and the route widens through LibTorch's
+// sgemm there. Every ISA with a table runs the same 256-bit code: each sum is one chain of fused
+// multiply-adds in k order, so a result's bits do not depend on the ISA, the split or the tile.
+#include "kernels/cpu/vec.h"
+
+namespace apex::kernels::cpu {
+namespace {
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+constexpr int64_t kMr = kGemmMr;
+constexpr int64_t kNr = kGemmNr;
+
+// Eight half elements as fp32 lanes.
+template <bool kBf16>
+inline __m256 widen8(const uint16_t* p) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (kBf16) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+  } else {
+    return _mm256_cvtph_ps(x);
+  }
+}
+
+template <bool kBf16>
+inline float widen1(uint16_t h) {
+  if constexpr (kBf16) {
+    return bf16_bits_to_float(h);
+  } else {
+    return _cvtsh_ss(h);
+  }
+}
+
+// r[i] (lane j) -> r[j] (lane i) for 8 x 8 fp32 values.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// One panel of `w` lanes (lane i's element l at src[i * s_lane + l * s_k]) for l < kc, lanes past
+// `lanes` zero: out[l * w + i]. `lanes_avail` lanes exist from src (reads may go past `lanes`
+// up to it). Stores may run up to 8 floats past the panel (the caller's buffer has room; the next
+// panel's stores come after and overwrite them).
+template <bool kBf16, int64_t w>
+void pack_panel(const uint16_t* src, int64_t s_lane, int64_t s_k, int64_t lanes,
+                int64_t lanes_avail, int64_t kc, float* out) {
+  int64_t l = 0;
+  if (lanes == w && s_lane == 1) {
+    // Lanes contiguous: a row of the panel is a run of w elements (8 more for w = 6 when the
+    // matrix has them: then one load and an overlapping store).
+    if constexpr (w == 16) {
+      for (; l < kc; ++l) {
+        const uint16_t* p = src + l * s_k;
+        _mm256_storeu_ps(out + l * w, widen8<kBf16>(p));
+        _mm256_storeu_ps(out + l * w + 8, widen8<kBf16>(p + 8));
+      }
+    } else if (lanes_avail >= 8) {
+      for (; l < kc; ++l) _mm256_storeu_ps(out + l * w, widen8<kBf16>(src + l * s_k));
+    }
+  } else if (lanes == w && s_k == 1) {
+    // Each lane contiguous in k: 8 x 8 blocks transposed in registers.
+    for (; l + 8 <= kc; l += 8) {
+      for (int64_t i0 = 0; i0 < w; i0 += 8) {
+        __m256 r[8];
+        for (int64_t i = 0; i < 8; ++i) {
+          r[i] = i0 + i < w ? widen8<kBf16>(src + (i0 + i) * s_lane + l) : _mm256_setzero_ps();
+        }
+        transpose8(r);
+        // Rows in increasing order: for w = 6 each store's last two lanes are overwritten by the
+        // next one's first (and the last one's land past the panel).
+        for (int64_t j = 0; j < 8; ++j) _mm256_storeu_ps(out + (l + j) * w + i0, r[j]);
+      }
+    }
+  }
+  for (; l < kc; ++l) {
+    for (int64_t i = 0; i < w; ++i) {
+      out[l * w + i] = i < lanes ? widen1<kBf16>(src[i * s_lane + l * s_k]) : 0.0f;
+    }
+  }
+}
+
+template <bool kBf16, int64_t w>
+void pack(const uint16_t* src, int64_t s_lane, int64_t s_k, int64_t lanes, int64_t lanes_avail,
+          int64_t kc, float* out) {
+  for (int64_t i = 0; i < lanes; i += w) {
+    pack_panel<kBf16, w>(src + i * s_lane, s_lane, s_k, std::min(w, lanes - i), lanes_avail - i, kc,
+                         out + i * kc);
+  }
+}
+
+void pack_a(const uint16_t* a, int64_t sm, int64_t sk, int64_t mc, int64_t rows_avail, int64_t kc,
+            float* out, DType t) {
+  if (t == DType::kBFloat16) {
+    pack<true, kMr>(a, sm, sk, mc, rows_avail, kc, out);
+  } else {
+    pack<false, kMr>(a, sm, sk, mc, rows_avail, kc, out);
+  }
+}
+
+void pack_b(const uint16_t* b, int64_t sk, int64_t sn, int64_t nc, int64_t cols_avail, int64_t kc,
+            float* out, DType t) {
+  if (t == DType::kBFloat16) {
+    pack<true, kNr>(b, sn, sk, nc, cols_avail, kc, out);
+  } else {
+    pack<false, kNr>(b, sn, sk, nc, cols_avail, kc, out);
+  }
+}
+
+// c[i * ldc + j] (+)= sum over l < kc of a[l * 6 + i] * b[l * 16 + j]: 12 accumulators, two
+// loads of b and six broadcasts of a per 12 multiply-adds. Named variables, not arrays: GCC 12
+// keeps an array of accumulators on the stack, storing each one at every step.
+inline void tile(const float* __restrict a, const float* __restrict b, int64_t kc,
+                 float* __restrict c, int64_t ldc, bool accumulate) {
+  static_assert(kMr == 6 && kNr == 16, "the tile below is written for 6 x 16");
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int64_t l = 0; l < kc; ++l, a += kMr, b += kNr) {
+    const __m256 b0 = _mm256_load_ps(b);
+    const __m256 b1 = _mm256_load_ps(b + 8);
+    __m256 x = _mm256_broadcast_ss(a);
+    c00 = _mm256_fmadd_ps(x, b0, c00);
+    c01 = _mm256_fmadd_ps(x, b1, c01);
+    x = _mm256_broadcast_ss(a + 1);
+    c10 = _mm256_fmadd_ps(x, b0, c10);
+    c11 = _mm256_fmadd_ps(x, b1, c11);
+    x = _mm256_broadcast_ss(a + 2);
+    c20 = _mm256_fmadd_ps(x, b0, c20);
+    c21 = _mm256_fmadd_ps(x, b1, c21);
+    x = _mm256_broadcast_ss(a + 3);
+    c30 = _mm256_fmadd_ps(x, b0, c30);
+    c31 = _mm256_fmadd_ps(x, b1, c31);
+    x = _mm256_broadcast_ss(a + 4);
+    c40 = _mm256_fmadd_ps(x, b0, c40);
+    c41 = _mm256_fmadd_ps(x, b1, c41);
+    x = _mm256_broadcast_ss(a + 5);
+    c50 = _mm256_fmadd_ps(x, b0, c50);
+    c51 = _mm256_fmadd_ps(x, b1, c51);
+  }
+  const auto put = [&](int64_t i, __m256 lo, __m256 hi) {
+    float* p = c + i * ldc;
+    if (accumulate) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(p));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(p + 8));
+    }
+    _mm256_storeu_ps(p, lo);
+    _mm256_storeu_ps(p + 8, hi);
+  };
+  put(0, c00, c01);
+  put(1, c10, c11);
+  put(2, c20, c21);
+  put(3, c30, c31);
+  put(4, c40, c41);
+  put(5, c50, c51);
+}
+
+void multiply(const float* a, const float* b, int64_t mc, int64_t ncp, int64_t kc, float* c,
+              int64_t ldc, bool accumulate) {
+  // A panel of b (kc x 16) stays in L1 while the panels of a stream past it from L2.
+  for (int64_t j = 0; j < ncp; j += kNr) {
+    for (int64_t i = 0; i < mc; i += kMr) {
+      tile(a + i * kc, b + j * kc, kc, c + i * ldc + j, ldc, accumulate);
+    }
+  }
+}
+
+constexpr GemmKernels kTable = {
+    .pack_a = pack_a,
+    .pack_b = pack_b,
+    .multiply = multiply,
+};
+
+#else
+
+constexpr GemmKernels kTable = {};
+
+#endif
+
+}  // namespace
+
+const GemmKernels& APEX_CAT(gemm_kernels_, APEX_CPU_ISA)() { return kTable; }
+
+}  // namespace apex::kernels::cpu
