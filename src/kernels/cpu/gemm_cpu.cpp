@@ -58,7 +58,7 @@ void half_gemm(const HalfGemm& g) {
   const DType t = g.t;
   const int64_t kp = round_up(g.k, kGemmKc);
   const int64_t chunk =
-      std::min(round_up(g.n, kGemmNr), std::max(kGemmNr, kPackedB / kp / kGemmNr * kGemmNr));
+      std::min(round_up(g.n, kern.nr), std::max(kern.nr, kPackedB / kp / kern.nr * kern.nr));
   const int64_t chunks = (g.n + chunk - 1) / chunk;
   // Rows split further only where batches and column chunks do not give each thread two items.
   const int64_t row_blocks = (g.m + kGemmMc - 1) / kGemmMc;
@@ -78,7 +78,7 @@ void half_gemm(const HalfGemm& g) {
       const int64_t bi = item / (chunks * per_rows);
       const int64_t ci = item / per_rows % chunks;
       const int64_t ri = item % per_rows;
-      const int64_t j0 = ci * chunk, nc = std::min(chunk, g.n - j0), ncp = round_up(nc, kGemmNr);
+      const int64_t j0 = ci * chunk, nc = std::min(chunk, g.n - j0), ncp = round_up(nc, kern.nr);
       const int64_t i_begin = row_blocks * ri / per_rows * kGemmMc;
       const int64_t i_end = std::min(g.m, row_blocks * (ri + 1) / per_rows * kGemmMc);
       const uint16_t* a = a16 + bi * g.a_b;

@@ -1,9 +1,10 @@
 // Per-ISA kernels of the half-precision matrix products (isa.h, GemmKernels; the driver:
 // gemm_cpu.cpp): operands widened from bf16/fp16 as they are packed into fp32 panels, and a
-// register-tiled 6 x 16 fp32 multiply-add kernel. Compiled once per instruction set (vec.h); the
-// tables of ISAs without AVX2's FMA and F16C are empty, and the route widens through LibTorch's
-// sgemm there. Every ISA with a table runs the same 256-bit code: each sum is one chain of fused
-// multiply-adds in k order, so a result's bits do not depend on the ISA, the split or the tile.
+// register-tiled fp32 multiply-add kernel, 6 x 16 sums in 256-bit registers (AVX2) or 6 x 32 in
+// 512-bit ones (AVX-512). Compiled once per instruction set (vec.h); the tables of ISAs without
+// AVX2's FMA and F16C are empty, and the route widens through LibTorch's sgemm there. Each sum is
+// one chain of fused multiply-adds in k order on every ISA, so a result's bits do not depend on
+// the ISA, the split or the tile.
 #include "kernels/cpu/vec.h"
 
 namespace apex::kernels::cpu {
@@ -12,7 +13,11 @@ namespace {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
 constexpr int64_t kMr = kGemmMr;
-constexpr int64_t kNr = kGemmNr;
+#if defined(__AVX512F__)
+constexpr int64_t kNr = 32;
+#else
+constexpr int64_t kNr = 16;
+#endif
 
 // Eight half elements as fp32 lanes.
 template <bool kBf16>
@@ -64,11 +69,10 @@ void pack_panel(const uint16_t* src, int64_t s_lane, int64_t s_k, int64_t lanes,
   if (lanes == w && s_lane == 1) {
     // Lanes contiguous: a row of the panel is a run of w elements (8 more for w = 6 when the
     // matrix has them: then one load and an overlapping store).
-    if constexpr (w == 16) {
+    if constexpr (w % 8 == 0) {
       for (; l < kc; ++l) {
         const uint16_t* p = src + l * s_k;
-        _mm256_storeu_ps(out + l * w, widen8<kBf16>(p));
-        _mm256_storeu_ps(out + l * w + 8, widen8<kBf16>(p + 8));
+        for (int64_t i = 0; i < w; i += 8) _mm256_storeu_ps(out + l * w + i, widen8<kBf16>(p + i));
       }
     } else if (lanes_avail >= 8) {
       for (; l < kc; ++l) _mm256_storeu_ps(out + l * w, widen8<kBf16>(src + l * s_k));
@@ -122,44 +126,66 @@ void pack_b(const uint16_t* b, int64_t sk, int64_t sn, int64_t nc, int64_t cols_
   }
 }
 
-// c[i * ldc + j] (+)= sum over l < kc of a[l * 6 + i] * b[l * 16 + j]: 12 accumulators, two
-// loads of b and six broadcasts of a per 12 multiply-adds. Named variables, not arrays: GCC 12
-// keeps an array of accumulators on the stack, storing each one at every step.
+#if defined(__AVX512F__)
+using Reg = __m512;
+inline Reg reg_zero() { return _mm512_setzero_ps(); }
+inline Reg reg_load(const float* p) { return _mm512_load_ps(p); }
+inline Reg reg_loadu(const float* p) { return _mm512_loadu_ps(p); }
+inline void reg_storeu(float* p, Reg v) { _mm512_storeu_ps(p, v); }
+inline Reg reg_splat(const float* p) { return _mm512_set1_ps(*p); }
+inline Reg reg_fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+inline Reg reg_add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+#else
+using Reg = __m256;
+inline Reg reg_zero() { return _mm256_setzero_ps(); }
+inline Reg reg_load(const float* p) { return _mm256_load_ps(p); }
+inline Reg reg_loadu(const float* p) { return _mm256_loadu_ps(p); }
+inline void reg_storeu(float* p, Reg v) { _mm256_storeu_ps(p, v); }
+inline Reg reg_splat(const float* p) { return _mm256_broadcast_ss(p); }
+inline Reg reg_fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+inline Reg reg_add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+#endif
+constexpr int64_t kRegLanes = kNr / 2;
+
+// c[i * ldc + j] (+)= sum over l < kc of a[l * 6 + i] * b[l * kNr + j]: 12 accumulators (two
+// registers per row), two loads of b and six broadcasts of a per 12 multiply-adds. Named
+// variables, not arrays: GCC 12 keeps an array of accumulators on the stack, storing each one at
+// every step.
 inline void tile(const float* __restrict a, const float* __restrict b, int64_t kc,
                  float* __restrict c, int64_t ldc, bool accumulate) {
-  static_assert(kMr == 6 && kNr == 16, "the tile below is written for 6 x 16");
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  static_assert(kMr == 6, "the tile below is written for 6 rows");
+  Reg c00 = reg_zero(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  Reg c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   for (int64_t l = 0; l < kc; ++l, a += kMr, b += kNr) {
-    const __m256 b0 = _mm256_load_ps(b);
-    const __m256 b1 = _mm256_load_ps(b + 8);
-    __m256 x = _mm256_broadcast_ss(a);
-    c00 = _mm256_fmadd_ps(x, b0, c00);
-    c01 = _mm256_fmadd_ps(x, b1, c01);
-    x = _mm256_broadcast_ss(a + 1);
-    c10 = _mm256_fmadd_ps(x, b0, c10);
-    c11 = _mm256_fmadd_ps(x, b1, c11);
-    x = _mm256_broadcast_ss(a + 2);
-    c20 = _mm256_fmadd_ps(x, b0, c20);
-    c21 = _mm256_fmadd_ps(x, b1, c21);
-    x = _mm256_broadcast_ss(a + 3);
-    c30 = _mm256_fmadd_ps(x, b0, c30);
-    c31 = _mm256_fmadd_ps(x, b1, c31);
-    x = _mm256_broadcast_ss(a + 4);
-    c40 = _mm256_fmadd_ps(x, b0, c40);
-    c41 = _mm256_fmadd_ps(x, b1, c41);
-    x = _mm256_broadcast_ss(a + 5);
-    c50 = _mm256_fmadd_ps(x, b0, c50);
-    c51 = _mm256_fmadd_ps(x, b1, c51);
+    const Reg b0 = reg_load(b);
+    const Reg b1 = reg_load(b + kRegLanes);
+    Reg x = reg_splat(a);
+    c00 = reg_fma(x, b0, c00);
+    c01 = reg_fma(x, b1, c01);
+    x = reg_splat(a + 1);
+    c10 = reg_fma(x, b0, c10);
+    c11 = reg_fma(x, b1, c11);
+    x = reg_splat(a + 2);
+    c20 = reg_fma(x, b0, c20);
+    c21 = reg_fma(x, b1, c21);
+    x = reg_splat(a + 3);
+    c30 = reg_fma(x, b0, c30);
+    c31 = reg_fma(x, b1, c31);
+    x = reg_splat(a + 4);
+    c40 = reg_fma(x, b0, c40);
+    c41 = reg_fma(x, b1, c41);
+    x = reg_splat(a + 5);
+    c50 = reg_fma(x, b0, c50);
+    c51 = reg_fma(x, b1, c51);
   }
-  const auto put = [&](int64_t i, __m256 lo, __m256 hi) {
+  const auto put = [&](int64_t i, Reg lo, Reg hi) {
     float* p = c + i * ldc;
     if (accumulate) {
-      lo = _mm256_add_ps(lo, _mm256_loadu_ps(p));
-      hi = _mm256_add_ps(hi, _mm256_loadu_ps(p + 8));
+      lo = reg_add(lo, reg_loadu(p));
+      hi = reg_add(hi, reg_loadu(p + kRegLanes));
     }
-    _mm256_storeu_ps(p, lo);
-    _mm256_storeu_ps(p + 8, hi);
+    reg_storeu(p, lo);
+    reg_storeu(p + kRegLanes, hi);
   };
   put(0, c00, c01);
   put(1, c10, c11);
@@ -171,7 +197,7 @@ inline void tile(const float* __restrict a, const float* __restrict b, int64_t k
 
 void multiply(const float* a, const float* b, int64_t mc, int64_t ncp, int64_t kc, float* c,
               int64_t ldc, bool accumulate) {
-  // A panel of b (kc x 16) stays in L1 while the panels of a stream past it from L2.
+  // A panel of b (kc x kNr) stays in L1 while the panels of a stream past it from L2.
   for (int64_t j = 0; j < ncp; j += kNr) {
     for (int64_t i = 0; i < mc; i += kMr) {
       tile(a + i * kc, b + j * kc, kc, c + i * ldc + j, ldc, accumulate);
@@ -180,6 +206,7 @@ void multiply(const float* a, const float* b, int64_t mc, int64_t ncp, int64_t k
 }
 
 constexpr GemmKernels kTable = {
+    .nr = kNr,
     .pack_a = pack_a,
     .pack_b = pack_b,
     .multiply = multiply,

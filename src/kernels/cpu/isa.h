@@ -130,16 +130,15 @@ struct GemvKernels {
 };
 
 /// The register tile and blocking of the half-precision matrix products (gemm_kernels.cpp; the
-/// driver: gemm_cpu.cpp): 6 x 16 fp32 sums per tile, k in blocks of 256 (a 16-column panel of B,
-/// 16 KiB, stays in L1), 72 rows of A per block (72 KiB, in L2).
+/// driver: gemm_cpu.cpp): 6 rows x GemmKernels::nr columns of fp32 sums per tile (16 on AVX2, 32
+/// on AVX-512), k in blocks of 256 (a panel of B, 16-32 KiB, stays in L1), 72 rows of A per
+/// block (72 KiB, in L2).
 constexpr int64_t kGemmMr = 6;
-constexpr int64_t kGemmNr = 16;
 constexpr int64_t kGemmKc = 256;
 constexpr int64_t kGemmMc = 72;
 
-/// Blocks of products of bf16/fp16 matrices with fp32 sums, the operands widened as they are
-/// packed. Null pointers: the ISA has none (the route widens through LibTorch's sgemm).
 struct GemmKernels {
+  int64_t nr;  ///< columns per tile and per panel of B
   /// Rows [0, mc) of A over k [0, kc) (element (i, l) at a[i * sm + l * sk], stored as t) into
   /// panels of kGemmMr rows: out[(i / Mr) * kc * Mr + l * Mr + i % Mr], zero for rows past mc.
   /// rows_avail (>= mc): rows that exist from a (the kernels may read, not use, rows past mc).
@@ -147,11 +146,11 @@ struct GemmKernels {
   void (*pack_a)(const uint16_t* a, int64_t sm, int64_t sk, int64_t mc, int64_t rows_avail,
                  int64_t kc, float* out, DType t);
   /// Columns [0, nc) of B over k [0, kc) (element (l, j) at b[l * sk + j * sn]) into panels of
-  /// kGemmNr columns likewise, zero past nc.
+  /// nr columns likewise, zero past nc.
   void (*pack_b)(const uint16_t* b, int64_t sk, int64_t sn, int64_t nc, int64_t cols_avail,
                  int64_t kc, float* out, DType t);
   /// c[i * ldc + j] = (c[i * ldc + j] if accumulate) + sum over l < kc of A[i, l] B[l, j], for i
-  /// below mc rounded up to kGemmMr and j < ncp (a multiple of kGemmNr), from packed panels.
+  /// below mc rounded up to kGemmMr and j < ncp (a multiple of nr), from packed panels.
   void (*multiply)(const float* a, const float* b, int64_t mc, int64_t ncp, int64_t kc, float* c,
                    int64_t ldc, bool accumulate);
 };
