@@ -22,7 +22,8 @@ constexpr int64_t kPackedB = int64_t{1} << 20;
 
 int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-// Per-thread buffers, kept between calls (a product's packing needs at most ~4.3 MiB).
+// Per-thread buffers, kept between calls (~4.3 MiB at most, but for a k so long that one panel of
+// B over all of k exceeds kPackedB: that one is released after its call).
 struct Buffers {
   std::vector<float> a, b, c, s;
   static float* sized(std::vector<float>& v, int64_t n) {
@@ -57,14 +58,16 @@ void half_gemm(const HalfGemm& g) {
   const MultiTensorKernels& mt = *cpu_kernels().multi_tensor;
   const DType t = g.t;
   const int64_t kp = round_up(g.k, kGemmKc);
-  const int64_t chunk =
-      std::min(round_up(g.n, kern.nr), std::max(kern.nr, kPackedB / kp / kern.nr * kern.nr));
-  const int64_t chunks = (g.n + chunk - 1) / chunk;
-  // Rows split further only where batches and column chunks do not give each thread two items.
-  const int64_t row_blocks = (g.m + kGemmMc - 1) / kGemmMc;
+  // Two items per thread: batches first, then blocks of rows (each item packs its B chunk), then
+  // chunks of columns (each packs its A blocks), B chunks never above kPackedB.
   const int64_t wanted = 2 * static_cast<int64_t>(at::get_num_threads());
-  const int64_t per_rows =
-      std::clamp<int64_t>((wanted + g.batch * chunks - 1) / (g.batch * chunks), 1, row_blocks);
+  const auto ceil_div = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
+  const int64_t row_blocks = ceil_div(g.m, kGemmMc);
+  const int64_t per_rows = std::clamp<int64_t>(ceil_div(wanted, g.batch), 1, row_blocks);
+  const int64_t col_split = std::max<int64_t>(1, ceil_div(wanted, g.batch * per_rows));
+  const int64_t chunk = std::min(round_up(ceil_div(g.n, col_split), kern.nr),
+                                 std::max(kern.nr, kPackedB / kp / kern.nr * kern.nr));
+  const int64_t chunks = ceil_div(g.n, chunk);
   const int64_t items = g.batch * chunks * per_rows;
   const bool with_s = g.s != nullptr && g.beta != 0.0f;
   const auto* a16 = static_cast<const uint16_t*>(g.a);
@@ -122,6 +125,7 @@ void half_gemm(const HalfGemm& g) {
         }
       }
     }
+    if (buf.b.size() > static_cast<size_t>(kPackedB + 64)) std::vector<float>().swap(buf.b);
   });
 }
 
