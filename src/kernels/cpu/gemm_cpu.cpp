@@ -77,6 +77,7 @@ void half_gemm(const HalfGemm& g) {
 
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     Buffers& buf = buffers;
+    int64_t packed = -1;  // the (batch, chunk) whose B is in buf.b: consecutive items share it
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bi = item / (chunks * per_rows);
       const int64_t ci = item / per_rows % chunks;
@@ -87,10 +88,11 @@ void half_gemm(const HalfGemm& g) {
       const uint16_t* a = a16 + bi * g.a_b;
       const uint16_t* b = b16 + bi * g.b_b + j0 * g.b_n;
       float* pb = Buffers::sized(buf.b, kp * ncp);
-      for (int64_t l = 0; l < g.k; l += kGemmKc) {
+      for (int64_t l = 0; l < g.k && packed != item / per_rows; l += kGemmKc) {
         kern.pack_b(b + l * g.b_k, g.b_k, g.b_n, nc, g.n - j0, std::min(kGemmKc, g.k - l),
                     pb + l * ncp, t);
       }
+      packed = item / per_rows;
       float* pa = Buffers::sized(buf.a, kGemmMc * kGemmKc);
       float* c = Buffers::sized(buf.c, round_up(kGemmMc, kGemmMr) * ncp);
       float* srow = Buffers::sized(buf.s, ncp);
