@@ -178,10 +178,11 @@ bool own_gemm() {
 // null or expandable to the result), as a new contiguous half tensor; undefined where it does
 // not apply (the caller widens then).
 at::Tensor gemm_rounded(const at::Tensor& a, const at::Tensor& b, const at::Tensor* self,
-                        const at::Scalar& beta, const at::Scalar& alpha) {
+                        const at::Scalar& beta, const at::Scalar& alpha, bool sum_batches = false) {
   if (!own_gemm() || a.dim() != b.dim() || (a.dim() != 2 && a.dim() != 3)) return {};
-  if (beta.isComplex() || alpha.isComplex()) return {};
+  if (beta.isComplex() || alpha.isComplex() || (sum_batches && a.dim() != 3)) return {};
   const bool batched = a.dim() == 3;
+  const bool batched_out = batched && !sum_batches;
   const int64_t m = a.size(-2), k = a.size(-1), n = b.size(-1);
   const int64_t batch = batched ? a.size(0) : 1;
   if (b.size(-2) != k || (batched && b.size(0) != batch) || m == 0 || n == 0 || k == 0 ||
@@ -189,7 +190,7 @@ at::Tensor gemm_rounded(const at::Tensor& a, const at::Tensor& b, const at::Tens
     return {};
   }
   const std::vector<int64_t> sizes =
-      batched ? std::vector<int64_t>{batch, m, n} : std::vector<int64_t>{m, n};
+      batched_out ? std::vector<int64_t>{batch, m, n} : std::vector<int64_t>{m, n};
   at::Tensor s;
   const float beta_f = static_cast<float>(beta.toDouble());
   if (self != nullptr && beta_f != 0.0f) {
@@ -206,7 +207,7 @@ at::Tensor gemm_rounded(const at::Tensor& a, const at::Tensor& b, const at::Tens
   const auto strides = [&](const at::Tensor& x, const void*& p, int64_t& sb, int64_t& s0,
                            int64_t& s1) {
     p = x.const_data_ptr();
-    sb = batched ? x.stride(0) : 0;
+    sb = x.dim() == 3 ? x.stride(0) : 0;
     s0 = x.stride(-2);
     s1 = x.stride(-1);
   };
@@ -218,6 +219,7 @@ at::Tensor gemm_rounded(const at::Tensor& a, const at::Tensor& b, const at::Tens
   if (s.defined()) strides(s, g.s, g.s_b, g.s_m, g.s_n);
   g.alpha = static_cast<float>(alpha.toDouble());
   g.beta = beta_f;
+  g.sum_batches = sum_batches;
   kernels::cpu::half_gemm(g);
   ++gemm_calls;
   return out;
@@ -279,6 +281,7 @@ at::Tensor baddbmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor
 at::Tensor addbmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
                   const at::Scalar& beta, const at::Scalar& alpha) {
   if (!take({&self, &a, &b})) return at::cpu::addbmm(self, a, b, beta, alpha);
+  if (at::Tensor y = gemm_rounded(a, b, &self, beta, alpha, true); y.defined()) return y;
   return at::cpu::addbmm(wide(self), wide(a), wide(b), beta, alpha).to(a.scalar_type());
 }
 

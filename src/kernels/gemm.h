@@ -29,6 +29,9 @@ struct HalfGemm {
   const void* s = nullptr;
   int64_t s_b = 0, s_m = 0, s_n = 0;
   float alpha = 1.0f, beta = 0.0f;
+  /// addbmm: C = alpha * (sum over b of A[b] B[b]) + beta * S, C and S [m, n] (c_b, s_b unused);
+  /// the batches' sums added in batch order.
+  bool sum_batches = false;
 };
 
 /// Whether this CPU's kernel table has the product (AVX2 with FMA and F16C, or wider).

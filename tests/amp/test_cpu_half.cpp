@@ -183,6 +183,13 @@ std::vector<Case> cases() {
              {at::bmm(in({3, 90, 70}, 107).transpose(1, 2), in({3, 80, 90}, 108).transpose(1, 2)),
               at::baddbmm(in({80}, 109), in({3, 70, 90}, 110), in({3, 90, 80}, 105), 0.5, 1.5)});
        }},
+      {"addbmm 4 batches of 100x300 by 300x90 summed, alpha and beta; a 1-D self",
+       [](const Input& in) {
+         return at::cat({at::addbmm(in({100, 90}, 114), in({4, 100, 300}, 115),
+                                    in({4, 300, 90}, 116), 0.5, 2.0),
+                         at::addbmm(in({90}, 117), in({3, 300, 100}, 118).transpose(1, 2),
+                                    in({3, 300, 90}, 119))});
+       }},
       {"linear 3-D, 2 x 50 tokens of 300 features to 130 (C++ Linear: matmul, bias in place)",
        [](const Input& in) {
          return at::linear(in({2, 50, 300}, 111), in({130, 300}, 112), in({130}, 113));
@@ -652,8 +659,9 @@ TEST(CpuHalfFallback, OwnProductDoesNotDependOnThreadsOrSplit) {
       at::set_num_threads(n);
       const CpuHalfFallbackGuard guard;
       const uint64_t before = apex::amp::detail::cpu_half_gemm_calls();
-      got[n == 4] = {at::mm(a, b), at::mm(b.t(), a.t()), at::bmm(w, b.expand({3, 700, 500}))};
-      EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls() - before, own ? 3u : 0u) << t;
+      got[n == 4] = {at::mm(a, b), at::mm(b.t(), a.t()), at::bmm(w, b.expand({3, 700, 500})),
+                     at::addbmm(a.slice(0, 0, 150).slice(1, 0, 500), w, b.expand({3, 700, 500}))};
+      EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls() - before, own ? 4u : 0u) << t;
     }
     for (size_t i = 0; i < got[0].size(); ++i) EXPECT_TRUE(got[0][i].equal(got[1][i])) << t << i;
     const CpuHalfFallbackGuard guard;

@@ -63,12 +63,14 @@ void half_gemm(const HalfGemm& g) {
   const int64_t wanted = 2 * static_cast<int64_t>(at::get_num_threads());
   const auto ceil_div = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
   const int64_t row_blocks = ceil_div(g.m, kGemmMc);
-  const int64_t per_rows = std::clamp<int64_t>(ceil_div(wanted, g.batch), 1, row_blocks);
-  const int64_t col_split = std::max<int64_t>(1, ceil_div(wanted, g.batch * per_rows));
+  // Batches summed into one output (addbmm) are not split: each item sums all of them.
+  const int64_t item_batches = g.sum_batches ? 1 : g.batch;
+  const int64_t per_rows = std::clamp<int64_t>(ceil_div(wanted, item_batches), 1, row_blocks);
+  const int64_t col_split = std::max<int64_t>(1, ceil_div(wanted, item_batches * per_rows));
   const int64_t chunk = std::min(round_up(ceil_div(g.n, col_split), kern.nr),
                                  std::max(kern.nr, kPackedB / kp / kern.nr * kern.nr));
   const int64_t chunks = ceil_div(g.n, chunk);
-  const int64_t items = g.batch * chunks * per_rows;
+  const int64_t items = item_batches * chunks * per_rows;
   const bool with_s = g.s != nullptr && g.beta != 0.0f;
   const auto* a16 = static_cast<const uint16_t*>(g.a);
   const auto* b16 = static_cast<const uint16_t*>(g.b);
@@ -79,32 +81,38 @@ void half_gemm(const HalfGemm& g) {
     Buffers& buf = buffers;
     int64_t packed = -1;  // the (batch, chunk) whose B is in buf.b: consecutive items share it
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t bi = item / (chunks * per_rows);
       const int64_t ci = item / per_rows % chunks;
       const int64_t ri = item % per_rows;
       const int64_t j0 = ci * chunk, nc = std::min(chunk, g.n - j0), ncp = round_up(nc, kern.nr);
       const int64_t i_begin = row_blocks * ri / per_rows * kGemmMc;
       const int64_t i_end = std::min(g.m, row_blocks * (ri + 1) / per_rows * kGemmMc);
-      const uint16_t* a = a16 + bi * g.a_b;
-      const uint16_t* b = b16 + bi * g.b_b + j0 * g.b_n;
-      float* pb = Buffers::sized(buf.b, kp * ncp);
-      for (int64_t l = 0; l < g.k && packed != item / per_rows; l += kGemmKc) {
-        kern.pack_b(b + l * g.b_k, g.b_k, g.b_n, nc, g.n - j0, std::min(kGemmKc, g.k - l),
-                    pb + l * ncp, t);
-      }
-      packed = item / per_rows;
       float* pa = Buffers::sized(buf.a, kGemmMc * kGemmKc);
-      float* c = Buffers::sized(buf.c, round_up(kGemmMc, kGemmMr) * ncp);
       float* srow = Buffers::sized(buf.s, ncp);
-      for (int64_t i0 = i_begin; i0 < i_end; i0 += kGemmMc) {
-        const int64_t mc = std::min(kGemmMc, i_end - i0);
+      // B's chunk of batch bi packed whole over k (unless this thread has it already).
+      const auto pack_b = [&](int64_t bi, int64_t key) {
+        float* pb = Buffers::sized(buf.b, kp * ncp);
+        const uint16_t* b = b16 + bi * g.b_b + j0 * g.b_n;
+        for (int64_t l = 0; l < g.k && packed != key; l += kGemmKc) {
+          kern.pack_b(b + l * g.b_k, g.b_k, g.b_n, nc, g.n - j0, std::min(kGemmKc, g.k - l),
+                      pb + l * ncp, t);
+        }
+        packed = key;
+        return pb;
+      };
+      // Rows [i0, i0 + mc) of batch bi into c (ldc ncp), added to what c holds if `accumulate`.
+      const auto multiply_rows = [&](int64_t bi, const float* pb, int64_t i0, int64_t mc, float* c,
+                                     bool accumulate) {
+        const uint16_t* a = a16 + bi * g.a_b;
         for (int64_t l = 0; l < g.k; l += kGemmKc) {
           const int64_t kc = std::min(kGemmKc, g.k - l);
           kern.pack_a(a + i0 * g.a_m + l * g.a_k, g.a_m, g.a_k, mc, g.m - i0, kc, pa, t);
-          kern.multiply(pa, pb + l * ncp, mc, ncp, kc, c, ncp, l > 0);
+          kern.multiply(pa, pb + l * ncp, mc, ncp, kc, c, ncp, accumulate || l > 0);
         }
-        // Finished row by row: alpha, beta * S in fp32, one rounding.
-        for (int64_t i = 0; i < mc; ++i) {
+      };
+      // Rows [i0, i0 + rows) of output batch bi from their sums in c, row by row: alpha,
+      // beta * S in fp32, one rounding.
+      const auto finish_rows = [&](int64_t bi, int64_t i0, int64_t rows, float* c) {
+        for (int64_t i = 0; i < rows; ++i) {
           float* row = c + i * ncp;
           if (g.alpha != 1.0f) {
             for (int64_t j = 0; j < nc; ++j) row[j] *= g.alpha;
@@ -125,9 +133,31 @@ void half_gemm(const HalfGemm& g) {
             for (int64_t j = 0; j < nc; ++j) out[j * g.c_n] = float_to_half(row[j], t);
           }
         }
+      };
+      if (g.sum_batches) {
+        // The item's rows summed over the batches (in batch order) in one buffer.
+        float* c = Buffers::sized(buf.c, round_up(i_end - i_begin, kGemmMr) * ncp);
+        for (int64_t bi = 0; bi < g.batch; ++bi) {
+          const float* pb = pack_b(bi, -2 - (bi * chunks + ci));  // keys apart from the others
+          for (int64_t i0 = i_begin; i0 < i_end; i0 += kGemmMc) {
+            multiply_rows(bi, pb, i0, std::min(kGemmMc, i_end - i0), c + (i0 - i_begin) * ncp,
+                          bi > 0);
+          }
+        }
+        finish_rows(0, i_begin, i_end - i_begin, c);
+        continue;
+      }
+      const int64_t bi = item / (chunks * per_rows);
+      const float* pb = pack_b(bi, item / per_rows);
+      float* c = Buffers::sized(buf.c, round_up(kGemmMc, kGemmMr) * ncp);
+      for (int64_t i0 = i_begin; i0 < i_end; i0 += kGemmMc) {
+        const int64_t mc = std::min(kGemmMc, i_end - i0);
+        multiply_rows(bi, pb, i0, mc, c, false);
+        finish_rows(bi, i0, mc, c);
       }
     }
     if (buf.b.size() > static_cast<size_t>(kPackedB + 64)) std::vector<float>().swap(buf.b);
+    if (buf.c.size() > static_cast<size_t>(kPackedB + 64)) std::vector<float>().swap(buf.c);
   });
 }
 
