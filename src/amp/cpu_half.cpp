@@ -87,6 +87,20 @@ bool take(c10::ArrayRef<const at::Tensor*> ts) {
 
 at::Tensor wide(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : t; }
 
+// Products the vector kernels do not take: apex's own product (kernels/gemm.h), which widens the
+// operands as it packs them and rounds the result as it stores it, where the CPU's kernel table
+// has it (AVX2 and wider); APEX_CPU_HALF_GEMM=0 widens both operands for LibTorch's fp32 product
+// instead (to compare). Under the AVX2 emulation 1.1-1.3x faster than widening + MKL's sgemm +
+// rounding on the transformer's shapes, and faster than MKL's fp32 product alone on these AMD
+// hosts (docs/benchmarks.md, "One pass").
+bool own_gemm() {
+  static const bool on = [] {
+    const char* env = std::getenv("APEX_CPU_HALF_GEMM");
+    return kernels::cpu::half_gemm_available() && !(env != nullptr && std::strcmp(env, "0") == 0);
+  }();
+  return on;
+}
+
 // Products with at most this many rows or columns (small-batch `linear`) read the other operand
 // in place (kernels/gemv.h) rather than widen all of it for a few vectors: up to 64 rows the
 // register-tiled kernels beat widening + MKL's sgemm under the AVX2 emulation (256x256, 1024x256
@@ -96,6 +110,11 @@ at::Tensor wide(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : t
 // by widening, whose ATen calls dominate there; 32-64 rows: 0.5-1.0x either way, short k and
 // few rows to split); docs/benchmarks.md, "Small batches".
 constexpr int64_t kMaxVectors = 64;
+// Where apex's own product runs (below), from 33 rows on it is the faster: alternating in one
+// process under the AVX2 emulation, 48 and 64 rows against 256x256 to 1024x256 weights (forward,
+// input and weight gradients) 1.14-1.22x fp32 against 1.00-1.14x by the vector kernels; 32 rows
+// even; 8-16 rows the vector kernels by 5-25 %.
+constexpr int64_t kMaxVectorsWithGemm = 32;
 constexpr int64_t kMaxVectorsSmallMatrix = 16;
 constexpr int64_t kMinMatrixForVectors = int64_t{1} << 16;
 
@@ -109,11 +128,13 @@ struct VectorPlan {
   bool k_contiguous = false, rows_few = false;
 };
 
+int64_t max_vectors() { return own_gemm() ? kMaxVectorsWithGemm : kMaxVectors; }
+
 // Empty for larger products, or where M is strided in both dimensions (the caller widens then).
 std::optional<VectorPlan> vector_plan(const at::Tensor& a, const at::Tensor& b) {
   if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0)) return std::nullopt;
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
-  if (std::min(m, n) > kMaxVectors || m == 0 || n == 0 || k == 0) return std::nullopt;
+  if (std::min(m, n) > max_vectors() || m == 0 || n == 0 || k == 0) return std::nullopt;
   VectorPlan p;
   p.rows_few = m <= n;
   p.mat = p.rows_few ? b.t() : a;
@@ -158,20 +179,6 @@ at::Tensor vector_product_rounded(const VectorPlan& p, const at::Tensor* bias) {
       p.vecs.const_data_ptr(), p.vecs.stride(0), p.vecs.stride(1), nv,
       bias != nullptr ? bias->const_data_ptr() : nullptr, out.mutable_data_ptr());
   return out;
-}
-
-// Products the vector kernels do not take: apex's own product (kernels/gemm.h), which widens the
-// operands as it packs them and rounds the result as it stores it, where the CPU's kernel table
-// has it (AVX2 and wider); APEX_CPU_HALF_GEMM=0 widens both operands for LibTorch's fp32 product
-// instead (to compare). Under the AVX2 emulation 1.1-1.3x faster than widening + MKL's sgemm +
-// rounding on the transformer's shapes, and faster than MKL's fp32 product alone on these AMD
-// hosts (docs/benchmarks.md, "One pass").
-bool own_gemm() {
-  static const bool on = [] {
-    const char* env = std::getenv("APEX_CPU_HALF_GEMM");
-    return kernels::cpu::half_gemm_available() && !(env != nullptr && std::strcmp(env, "0") == 0);
-  }();
-  return on;
 }
 
 // beta * self + alpha * (a b) by the own product, 2-D or 3-D operands of one half dtype (self

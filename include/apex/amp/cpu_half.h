@@ -64,7 +64,7 @@ namespace detail {
 void force_cpu_half_fallback_available(std::optional<bool> forced);
 /// Tests only: how many op calls in this thread the route has computed (not handed to LibTorch).
 uint64_t cpu_half_route_calls();
-/// Tests only: whether products with more than 64 rows and columns take apex's own product
+/// Tests only: whether products with more than 32 rows and columns take apex's own product
 /// (AVX2 and wider, unless APEX_CPU_HALF_GEMM=0), and how many op calls in this thread it took.
 bool cpu_half_own_gemm();
 uint64_t cpu_half_gemm_calls();
