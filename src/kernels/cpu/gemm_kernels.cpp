@@ -108,22 +108,21 @@ void pack(const uint16_t* src, int64_t s_lane, int64_t s_k, int64_t lanes, int64
   }
 }
 
+template <int64_t w>
+void pack_as(const uint16_t* src, int64_t s_lane, int64_t s_k, int64_t lanes, int64_t lanes_avail,
+             int64_t kc, float* out, DType t) {
+  (t == DType::kBFloat16 ? pack<true, w> : pack<false, w>)(src, s_lane, s_k, lanes, lanes_avail, kc,
+                                                           out);
+}
+
 void pack_a(const uint16_t* a, int64_t sm, int64_t sk, int64_t mc, int64_t rows_avail, int64_t kc,
             float* out, DType t) {
-  if (t == DType::kBFloat16) {
-    pack<true, kMr>(a, sm, sk, mc, rows_avail, kc, out);
-  } else {
-    pack<false, kMr>(a, sm, sk, mc, rows_avail, kc, out);
-  }
+  pack_as<kMr>(a, sm, sk, mc, rows_avail, kc, out, t);
 }
 
 void pack_b(const uint16_t* b, int64_t sk, int64_t sn, int64_t nc, int64_t cols_avail, int64_t kc,
             float* out, DType t) {
-  if (t == DType::kBFloat16) {
-    pack<true, kNr>(b, sn, sk, nc, cols_avail, kc, out);
-  } else {
-    pack<false, kNr>(b, sn, sk, nc, cols_avail, kc, out);
-  }
+  pack_as<kNr>(b, sn, sk, nc, cols_avail, kc, out, t);
 }
 
 #if defined(__AVX512F__)
@@ -156,27 +155,20 @@ inline void tile(const float* __restrict a, const float* __restrict b, int64_t k
   static_assert(kMr == 6, "the tile below is written for 6 rows");
   Reg c00 = reg_zero(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   Reg c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  // One row of the tile: its two accumulators += a's element times b's two registers.
+  const auto row = [](Reg x, Reg b0, Reg b1, Reg& lo, Reg& hi) {
+    lo = reg_fma(x, b0, lo);
+    hi = reg_fma(x, b1, hi);
+  };
   for (int64_t l = 0; l < kc; ++l, a += kMr, b += kNr) {
     const Reg b0 = reg_load(b);
     const Reg b1 = reg_load(b + kRegLanes);
-    Reg x = reg_splat(a);
-    c00 = reg_fma(x, b0, c00);
-    c01 = reg_fma(x, b1, c01);
-    x = reg_splat(a + 1);
-    c10 = reg_fma(x, b0, c10);
-    c11 = reg_fma(x, b1, c11);
-    x = reg_splat(a + 2);
-    c20 = reg_fma(x, b0, c20);
-    c21 = reg_fma(x, b1, c21);
-    x = reg_splat(a + 3);
-    c30 = reg_fma(x, b0, c30);
-    c31 = reg_fma(x, b1, c31);
-    x = reg_splat(a + 4);
-    c40 = reg_fma(x, b0, c40);
-    c41 = reg_fma(x, b1, c41);
-    x = reg_splat(a + 5);
-    c50 = reg_fma(x, b0, c50);
-    c51 = reg_fma(x, b1, c51);
+    row(reg_splat(a), b0, b1, c00, c01);
+    row(reg_splat(a + 1), b0, b1, c10, c11);
+    row(reg_splat(a + 2), b0, b1, c20, c21);
+    row(reg_splat(a + 3), b0, b1, c30, c31);
+    row(reg_splat(a + 4), b0, b1, c40, c41);
+    row(reg_splat(a + 5), b0, b1, c50, c51);
   }
   const auto put = [&](int64_t i, Reg lo, Reg hi) {
     float* p = c + i * ldc;
