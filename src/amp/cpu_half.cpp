@@ -181,14 +181,16 @@ at::Tensor vector_product_rounded(const VectorPlan& p, const at::Tensor* bias) {
   return out;
 }
 
-// beta * self + alpha * (a b) by the own product, 2-D or 3-D operands of one half dtype (self
-// null or expandable to the result), as a new contiguous half tensor; undefined where it does
-// not apply (the caller widens then).
-at::Tensor gemm_rounded(const at::Tensor& a, const at::Tensor& b, const at::Tensor* self,
-                        const at::Scalar& beta, const at::Scalar& alpha, bool sum_batches = false) {
-  if (!own_gemm() || a.dim() != b.dim() || (a.dim() != 2 && a.dim() != 3)) return {};
-  if (beta.isComplex() || alpha.isComplex() || (sum_batches && a.dim() != 3)) return {};
-  const bool batched = a.dim() == 3;
+// beta * self + alpha * (a b) by the own product, operands of `dims` dimensions (2: mm, addmm;
+// 3: the batched ops) and one half dtype, self null or expandable to the result (whatever beta,
+// as LibTorch checks it), as a new contiguous half tensor; undefined where it does not apply:
+// the caller then widens, or LibTorch refuses what it refuses.
+at::Tensor gemm_rounded(int64_t dims, const at::Tensor& a, const at::Tensor& b,
+                        const at::Tensor* self, const at::Scalar& beta, const at::Scalar& alpha,
+                        bool sum_batches = false) {
+  if (!own_gemm() || a.dim() != dims || b.dim() != dims) return {};
+  if (beta.isComplex() || alpha.isComplex()) return {};
+  const bool batched = dims == 3;
   const bool batched_out = batched && !sum_batches;
   const int64_t m = a.size(-2), k = a.size(-1), n = b.size(-1);
   const int64_t batch = batched ? a.size(0) : 1;
@@ -198,12 +200,10 @@ at::Tensor gemm_rounded(const at::Tensor& a, const at::Tensor& b, const at::Tens
   }
   const std::vector<int64_t> sizes =
       batched_out ? std::vector<int64_t>{batch, m, n} : std::vector<int64_t>{m, n};
+  if (self != nullptr && !at::is_expandable_to(self->sizes(), sizes)) return {};
   at::Tensor s;
   const float beta_f = static_cast<float>(beta.toDouble());
-  if (self != nullptr && beta_f != 0.0f) {
-    if (!at::is_expandable_to(self->sizes(), sizes)) return {};
-    s = self->expand(sizes);
-  }
+  if (self != nullptr && beta_f != 0.0f) s = self->expand(sizes);
   at::Tensor out = at::empty(sizes, a.options());
   kernels::cpu::HalfGemm g;
   g.t = bridge::kernel_dtype(a, "mm");
@@ -252,13 +252,13 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
     if (at::Tensor y = vector_product_rounded(*p, nullptr); y.defined()) return y;
     return rounded(vector_product(*p), a.scalar_type());
   }
-  if (at::Tensor y = gemm_rounded(a, b, nullptr, 0, 1); y.defined()) return y;
+  if (at::Tensor y = gemm_rounded(2, a, b, nullptr, 0, 1); y.defined()) return y;
   return at::cpu::mm(wide(a), wide(b)).to(a.scalar_type());
 }
 
 at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
   if (!take({&a, &b})) return at::cpu::bmm(a, b);
-  if (at::Tensor y = gemm_rounded(a, b, nullptr, 0, 1); y.defined()) return y;
+  if (at::Tensor y = gemm_rounded(3, a, b, nullptr, 0, 1); y.defined()) return y;
   return at::cpu::bmm(wide(a), wide(b)).to(a.scalar_type());
 }
 
@@ -274,21 +274,21 @@ at::Tensor addmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& 
       return scaled_sum_rounded(vector_product(*p), self, beta, alpha, a.scalar_type());
     }
   }
-  if (at::Tensor y = gemm_rounded(a, b, &self, beta, alpha); y.defined()) return y;
+  if (at::Tensor y = gemm_rounded(2, a, b, &self, beta, alpha); y.defined()) return y;
   return at::cpu::addmm(wide(self), wide(a), wide(b), beta, alpha).to(a.scalar_type());
 }
 
 at::Tensor baddbmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
                    const at::Scalar& beta, const at::Scalar& alpha) {
   if (!take({&self, &a, &b})) return at::cpu::baddbmm(self, a, b, beta, alpha);
-  if (at::Tensor y = gemm_rounded(a, b, &self, beta, alpha); y.defined()) return y;
+  if (at::Tensor y = gemm_rounded(3, a, b, &self, beta, alpha); y.defined()) return y;
   return at::cpu::baddbmm(wide(self), wide(a), wide(b), beta, alpha).to(a.scalar_type());
 }
 
 at::Tensor addbmm(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
                   const at::Scalar& beta, const at::Scalar& alpha) {
   if (!take({&self, &a, &b})) return at::cpu::addbmm(self, a, b, beta, alpha);
-  if (at::Tensor y = gemm_rounded(a, b, &self, beta, alpha, true); y.defined()) return y;
+  if (at::Tensor y = gemm_rounded(3, a, b, &self, beta, alpha, true); y.defined()) return y;
   return at::cpu::addbmm(wide(self), wide(a), wide(b), beta, alpha).to(a.scalar_type());
 }
 

@@ -713,6 +713,28 @@ TEST(CpuHalfFallback, NonFiniteValuesPropagate) {
   }
 }
 
+// Products large enough for apex's own product (more than 32 rows and columns): what LibTorch
+// refuses (operands of the wrong rank, a self that does not broadcast, even with beta 0) it
+// refuses too, with LibTorch's message.
+TEST(CpuHalfFallback, OwnProductRefusesWhatLibTorchRefuses) {
+  const ForceAvailable force;
+  const CpuHalfFallbackGuard guard;
+  const at::Tensor a3 = exact({2, 40, 50}, at::kBFloat16, 130);
+  const at::Tensor b3 = exact({2, 50, 40}, at::kBFloat16, 131);
+  const at::Tensor a = a3[0], b = b3[0], bad = exact({3}, at::kBFloat16, 132);
+  EXPECT_THROW(at::mm(a3, b3), c10::Error);
+  EXPECT_THROW(at::bmm(a, b), c10::Error);
+  EXPECT_THROW(at::addmm(at::zeros({2, 40, 40}, a.options()), a3, b3), c10::Error);
+  EXPECT_THROW(at::addmm(bad, a, b, 0.0, 1.0), c10::Error);
+  EXPECT_THROW(at::baddbmm(bad, a3, b3, 0.0, 1.0), c10::Error);
+  EXPECT_THROW(at::addbmm(bad, a3, b3, 0.0, 1.0), c10::Error);
+  EXPECT_THROW(at::bmm(a3, exact({3, 50, 40}, at::kBFloat16, 133)), c10::Error);  // batches
+  EXPECT_THROW(at::mm(a, exact({40, 40}, at::kBFloat16, 134)), c10::Error);       // k
+  // And takes what it should: beta 0 with a self that broadcasts (its NaN not propagated).
+  const at::Tensor nan_self = at::full({40}, std::numeric_limits<float>::quiet_NaN(), a.options());
+  EXPECT_FALSE(at::isnan(at::addmm(nan_self, a, b, 0.0, 1.0)).any().item<bool>());
+}
+
 TEST(CpuHalfFallback, ScopeOnOffNestedThreadsExceptions) {
   const ForceAvailable force;
   const at::Tensor a = exact({16, 24}, at::kBFloat16, 50), b = exact({24, 8}, at::kBFloat16, 51);
