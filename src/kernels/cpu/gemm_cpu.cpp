@@ -77,87 +77,139 @@ void half_gemm(const HalfGemm& g) {
   const auto* s16 = static_cast<const uint16_t*>(g.s);
   auto* c16 = static_cast<uint16_t*>(g.c);
 
+  // A column chunk of one batch: where its packed B lies, and its place in the output.
+  struct Chunk {
+    int64_t bi, j0, nc, ncp;
+  };
+  const auto chunk_of = [&](int64_t bi, int64_t ci) {
+    const int64_t j0 = ci * chunk, nc = std::min(chunk, g.n - j0);
+    return Chunk{bi, j0, nc, round_up(nc, kern.nr)};
+  };
+  // Columns [j, j + w) of the chunk's B (w a multiple of nr, or the rest) over k block l.
+  const auto pack_b_part = [&](const Chunk& ch, float* pb, int64_t l, int64_t j, int64_t w) {
+    const uint16_t* b = b16 + ch.bi * g.b_b + (ch.j0 + j) * g.b_n + l * g.b_k;
+    const int64_t kc = std::min(kGemmKc, g.k - l);
+    kern.pack_b(b, g.b_k, g.b_n, std::min(w, ch.nc - j), g.n - ch.j0 - j, kc,
+                pb + l * ch.ncp + j * kc, t);
+  };
+  // Rows [i0, i0 + mc) of the chunk into c (ldc ncp), added to what c holds if `accumulate`.
+  const auto multiply_rows = [&](const Chunk& ch, const float* pb, float* pa, int64_t i0,
+                                 int64_t mc, float* c, bool accumulate) {
+    const uint16_t* a = a16 + ch.bi * g.a_b;
+    for (int64_t l = 0; l < g.k; l += kGemmKc) {
+      const int64_t kc = std::min(kGemmKc, g.k - l);
+      kern.pack_a(a + i0 * g.a_m + l * g.a_k, g.a_m, g.a_k, mc, g.m - i0, kc, pa, t);
+      kern.multiply(pa, pb + l * ch.ncp, mc, ch.ncp, kc, c, ch.ncp, accumulate || l > 0);
+    }
+  };
+  // Rows [i0, i0 + rows) of the chunk's output from their sums in c, row by row: alpha, beta * S
+  // in fp32, one rounding (bi: the output's batch, 0 when batches are summed).
+  const auto finish_rows = [&](const Chunk& ch, int64_t bi, int64_t i0, int64_t rows, float* c,
+                               float* srow) {
+    for (int64_t i = 0; i < rows; ++i) {
+      float* row = c + i * ch.ncp;
+      if (g.alpha != 1.0f) {
+        for (int64_t j = 0; j < ch.nc; ++j) row[j] *= g.alpha;
+      }
+      if (with_s) {
+        const uint16_t* s = s16 + bi * g.s_b + (i0 + i) * g.s_m + ch.j0 * g.s_n;
+        if (g.s_n == 1) {
+          mt.to_float(s, t, srow, ch.nc);
+        } else {
+          for (int64_t j = 0; j < ch.nc; ++j) srow[j] = half_to_float(s[j * g.s_n], t);
+        }
+        for (int64_t j = 0; j < ch.nc; ++j) row[j] += g.beta * srow[j];
+      }
+      uint16_t* out = c16 + bi * g.c_b + (i0 + i) * g.c_m + ch.j0 * g.c_n;
+      if (g.c_n == 1) {
+        mt.from_float(row, t, out, ch.nc);
+      } else {
+        for (int64_t j = 0; j < ch.nc; ++j) out[j * g.c_n] = float_to_half(row[j], t);
+      }
+    }
+  };
+  const auto release = [](Buffers& buf) {
+    if (buf.b.size() > static_cast<size_t>(kPackedB + 64)) std::vector<float>().swap(buf.b);
+    if (buf.c.size() > static_cast<size_t>(kPackedB + 64)) std::vector<float>().swap(buf.c);
+  };
+
+  if (!g.sum_batches && per_rows > 1) {
+    // Rows split between threads: each chunk's B packed once, by all threads, into the calling
+    // thread's buffer, then its blocks of rows shared out (two parallel regions per chunk: worth
+    // it only where there are rows to split, so few batches).
+    Buffers& mine = buffers;
+    for (int64_t bi = 0; bi < g.batch; ++bi) {
+      for (int64_t ci = 0; ci < chunks; ++ci) {
+        const Chunk ch = chunk_of(bi, ci);
+        float* pb = Buffers::sized(mine.b, kp * ch.ncp);
+        const int64_t panels = ch.ncp / kern.nr, k_blocks = kp / kGemmKc;
+        at::parallel_for(0, k_blocks * panels, 4, [&](int64_t p0, int64_t p1) {
+          for (int64_t p = p0; p < p1; ++p) {
+            pack_b_part(ch, pb, p / panels * kGemmKc, p % panels * kern.nr, kern.nr);
+          }
+        });
+        at::parallel_for(0, row_blocks, 1, [&](int64_t r0, int64_t r1) {
+          Buffers& buf = buffers;
+          float* pa = Buffers::sized(buf.a, kGemmMc * kGemmKc);
+          float* c = Buffers::sized(buf.c, round_up(kGemmMc, kGemmMr) * ch.ncp);
+          float* srow = Buffers::sized(buf.s, ch.ncp);
+          for (int64_t r = r0; r < r1; ++r) {
+            const int64_t i0 = r * kGemmMc, mc = std::min(kGemmMc, g.m - i0);
+            multiply_rows(ch, pb, pa, i0, mc, c, false);
+            finish_rows(ch, bi, i0, mc, c, srow);
+          }
+        });
+      }
+    }
+    release(mine);
+    return;
+  }
+
+  // Otherwise items of (batch, column chunk, rows) per thread, each packing its own B chunk (a
+  // thread's consecutive items of one chunk pack it once); batches summed (addbmm) inside items.
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     Buffers& buf = buffers;
-    int64_t packed = -1;  // the (batch, chunk) whose B is in buf.b: consecutive items share it
+    int64_t packed = -1;  // the key of the chunk whose B is in buf.b
     for (int64_t item = begin; item < end; ++item) {
       const int64_t ci = item / per_rows % chunks;
       const int64_t ri = item % per_rows;
-      const int64_t j0 = ci * chunk, nc = std::min(chunk, g.n - j0), ncp = round_up(nc, kern.nr);
       const int64_t i_begin = row_blocks * ri / per_rows * kGemmMc;
       const int64_t i_end = std::min(g.m, row_blocks * (ri + 1) / per_rows * kGemmMc);
+      const int64_t ncp = chunk_of(0, ci).ncp;
       float* pa = Buffers::sized(buf.a, kGemmMc * kGemmKc);
       float* srow = Buffers::sized(buf.s, ncp);
-      // B's chunk of batch bi packed whole over k (unless this thread has it already).
-      const auto pack_b = [&](int64_t bi, int64_t key) {
-        float* pb = Buffers::sized(buf.b, kp * ncp);
-        const uint16_t* b = b16 + bi * g.b_b + j0 * g.b_n;
+      const auto packed_b = [&](const Chunk& ch, int64_t key) {
+        float* pb = Buffers::sized(buf.b, kp * ch.ncp);
         for (int64_t l = 0; l < g.k && packed != key; l += kGemmKc) {
-          kern.pack_b(b + l * g.b_k, g.b_k, g.b_n, nc, g.n - j0, std::min(kGemmKc, g.k - l),
-                      pb + l * ncp, t);
+          pack_b_part(ch, pb, l, 0, ch.ncp);
         }
         packed = key;
         return pb;
-      };
-      // Rows [i0, i0 + mc) of batch bi into c (ldc ncp), added to what c holds if `accumulate`.
-      const auto multiply_rows = [&](int64_t bi, const float* pb, int64_t i0, int64_t mc, float* c,
-                                     bool accumulate) {
-        const uint16_t* a = a16 + bi * g.a_b;
-        for (int64_t l = 0; l < g.k; l += kGemmKc) {
-          const int64_t kc = std::min(kGemmKc, g.k - l);
-          kern.pack_a(a + i0 * g.a_m + l * g.a_k, g.a_m, g.a_k, mc, g.m - i0, kc, pa, t);
-          kern.multiply(pa, pb + l * ncp, mc, ncp, kc, c, ncp, accumulate || l > 0);
-        }
-      };
-      // Rows [i0, i0 + rows) of output batch bi from their sums in c, row by row: alpha,
-      // beta * S in fp32, one rounding.
-      const auto finish_rows = [&](int64_t bi, int64_t i0, int64_t rows, float* c) {
-        for (int64_t i = 0; i < rows; ++i) {
-          float* row = c + i * ncp;
-          if (g.alpha != 1.0f) {
-            for (int64_t j = 0; j < nc; ++j) row[j] *= g.alpha;
-          }
-          if (with_s) {
-            const uint16_t* s = s16 + bi * g.s_b + (i0 + i) * g.s_m + j0 * g.s_n;
-            if (g.s_n == 1) {
-              mt.to_float(s, t, srow, nc);
-            } else {
-              for (int64_t j = 0; j < nc; ++j) srow[j] = half_to_float(s[j * g.s_n], t);
-            }
-            for (int64_t j = 0; j < nc; ++j) row[j] += g.beta * srow[j];
-          }
-          uint16_t* out = c16 + bi * g.c_b + (i0 + i) * g.c_m + j0 * g.c_n;
-          if (g.c_n == 1) {
-            mt.from_float(row, t, out, nc);
-          } else {
-            for (int64_t j = 0; j < nc; ++j) out[j * g.c_n] = float_to_half(row[j], t);
-          }
-        }
       };
       if (g.sum_batches) {
         // The item's rows summed over the batches (in batch order) in one buffer.
         float* c = Buffers::sized(buf.c, round_up(i_end - i_begin, kGemmMr) * ncp);
         for (int64_t bi = 0; bi < g.batch; ++bi) {
-          const float* pb = pack_b(bi, -2 - (bi * chunks + ci));  // keys apart from the others
+          const Chunk ch = chunk_of(bi, ci);
+          const float* pb = packed_b(ch, -2 - (bi * chunks + ci));  // apart from the keys below
           for (int64_t i0 = i_begin; i0 < i_end; i0 += kGemmMc) {
-            multiply_rows(bi, pb, i0, std::min(kGemmMc, i_end - i0), c + (i0 - i_begin) * ncp,
+            multiply_rows(ch, pb, pa, i0, std::min(kGemmMc, i_end - i0), c + (i0 - i_begin) * ncp,
                           bi > 0);
           }
         }
-        finish_rows(0, i_begin, i_end - i_begin, c);
+        finish_rows(chunk_of(0, ci), 0, i_begin, i_end - i_begin, c, srow);
         continue;
       }
-      const int64_t bi = item / (chunks * per_rows);
-      const float* pb = pack_b(bi, item / per_rows);
+      const Chunk ch = chunk_of(item / (chunks * per_rows), ci);
+      const float* pb = packed_b(ch, item / per_rows);
       float* c = Buffers::sized(buf.c, round_up(kGemmMc, kGemmMr) * ncp);
       for (int64_t i0 = i_begin; i0 < i_end; i0 += kGemmMc) {
         const int64_t mc = std::min(kGemmMc, i_end - i0);
-        multiply_rows(bi, pb, i0, mc, c, false);
-        finish_rows(bi, i0, mc, c);
+        multiply_rows(ch, pb, pa, i0, mc, c, false);
+        finish_rows(ch, ch.bi, i0, mc, c, srow);
       }
     }
-    if (buf.b.size() > static_cast<size_t>(kPackedB + 64)) std::vector<float>().swap(buf.b);
-    if (buf.c.size() > static_cast<size_t>(kPackedB + 64)) std::vector<float>().swap(buf.c);
+    release(buf);
   });
 }
 
