@@ -3,9 +3,7 @@
 // of the best instruction set (kernels/cpu/isa.h). Elementwise: the result does not depend on the
 // split.
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Half.h>
 
 #include <xmmintrin.h>
 #include <array>
@@ -16,6 +14,7 @@
 #include <mutex>
 
 #include "kernels/activation.h"
+#include "kernels/cpu/half_bits.h"
 #include "kernels/cpu/isa.h"
 
 namespace apex::kernels::cpu {
@@ -43,11 +42,6 @@ struct Tables {
   std::array<float, kPatterns> dy{};        // f'(x), rounded to fp32
 };
 
-double value_of(uint16_t bits, DType t) {
-  return t == DType::kBFloat16 ? static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()))
-                               : static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
 // v rounded to nearest even in t, correctly: through fp32 rounded to odd (the inexact fp32 result
 // gets an odd last bit), which keeps every tie of the 16-bit format a tie only where v is one;
 // then c10's rounding to nearest even.
@@ -60,7 +54,7 @@ uint16_t round_to(double v, DType t) {
       f = std::nextafter(f, static_cast<double>(f) < v ? INFINITY : -INFINITY);
     }
   }
-  return t == DType::kFloat16 ? c10::Half(f).x : c10::BFloat16(f).x;
+  return float_to_half_bits(f, t);
 }
 
 // gelu and gelu' in fp64: x Phi(x) with Phi(x) = erfc(-x / sqrt 2) / 2 (exact form), or the tanh
@@ -108,7 +102,7 @@ const Tables& tables_of(DType t, Fn fn) {
     auto tb = std::make_unique<Tables>();
     for (int64_t i = 0; i < kPatterns; ++i) {
       double y, dy;
-      const double x = value_of(static_cast<uint16_t>(i), t);
+      const double x = half_bits_to_float(static_cast<uint16_t>(i), t);
       if (fn == kSilu) {
         silu64(x, y, dy);
       } else {

@@ -3,13 +3,12 @@
 // (kernels/cpu/isa.h, GemmKernels), its fp32 sums finished and rounded by the multi-tensor
 // conversions.
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "kernels/cpu/half_bits.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/gemm.h"
 
@@ -34,15 +33,6 @@ struct Buffers {
   }
 };
 thread_local Buffers buffers;
-
-float half_to_float(uint16_t h, DType t) {
-  return t == DType::kBFloat16 ? static_cast<float>(c10::BFloat16(h, c10::BFloat16::from_bits()))
-                               : static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-}
-
-uint16_t float_to_half(float f, DType t) {
-  return t == DType::kBFloat16 ? c10::BFloat16(f).x : c10::Half(f).x;
-}
 
 }  // namespace
 
@@ -116,7 +106,7 @@ void half_gemm(const HalfGemm& g) {
         if (g.s_n == 1) {
           mt.to_float(s, t, srow, ch.nc);
         } else {
-          for (int64_t j = 0; j < ch.nc; ++j) srow[j] = half_to_float(s[j * g.s_n], t);
+          for (int64_t j = 0; j < ch.nc; ++j) srow[j] = half_bits_to_float(s[j * g.s_n], t);
         }
         for (int64_t j = 0; j < ch.nc; ++j) row[j] += g.beta * srow[j];
       }
@@ -124,7 +114,7 @@ void half_gemm(const HalfGemm& g) {
       if (g.c_n == 1) {
         mt.from_float(row, t, out, ch.nc);
       } else {
-        for (int64_t j = 0; j < ch.nc; ++j) out[j * g.c_n] = float_to_half(row[j], t);
+        for (int64_t j = 0; j < ch.nc; ++j) out[j * g.c_n] = float_to_half_bits(row[j], t);
       }
     }
   };

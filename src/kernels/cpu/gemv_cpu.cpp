@@ -1,12 +1,11 @@
 // CPU driver of the half matrix-vector products (kernels/gemv.h): rows split over ATen's thread
 // pool, each range by the gemv kernels of the best instruction set (kernels/cpu/isa.h).
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Half.h>
 
 #include <vector>
 
+#include "kernels/cpu/half_bits.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/gemv.h"
 
@@ -58,10 +57,7 @@ void half_gemv_rounded(const void* m, DType t, int64_t rows, int64_t k, bool k_c
       continue;
     }
     for (int64_t l = 0; l < k; ++l) {
-      const uint16_t bits = vh[i * vs0 + l * vs1];
-      vf[i * k + l] = t == DType::kBFloat16
-                          ? static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()))
-                          : static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+      vf[i * k + l] = half_bits_to_float(vh[i * vs0 + l * vs1], t);
     }
   }
   std::vector<float> y(static_cast<size_t>(nv * rows));
