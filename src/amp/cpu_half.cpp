@@ -211,19 +211,21 @@ at::Tensor gemm_rounded(int64_t dims, const at::Tensor& a, const at::Tensor& b,
   g.m = m;
   g.n = n;
   g.k = k;
-  const auto strides = [&](const at::Tensor& x, const void*& p, int64_t& sb, int64_t& s0,
-                           int64_t& s1) {
-    p = x.const_data_ptr();
+  const auto strides = [](const at::Tensor& x, int64_t& sb, int64_t& s0, int64_t& s1) {
     sb = x.dim() == 3 ? x.stride(0) : 0;
     s0 = x.stride(-2);
     s1 = x.stride(-1);
   };
-  strides(a, g.a, g.a_b, g.a_m, g.a_k);
-  strides(b, g.b, g.b_b, g.b_k, g.b_n);
-  const void* c = nullptr;
-  strides(out, c, g.c_b, g.c_m, g.c_n);
+  g.a = a.const_data_ptr();
+  strides(a, g.a_b, g.a_m, g.a_k);
+  g.b = b.const_data_ptr();
+  strides(b, g.b_b, g.b_k, g.b_n);
   g.c = out.mutable_data_ptr();
-  if (s.defined()) strides(s, g.s, g.s_b, g.s_m, g.s_n);
+  strides(out, g.c_b, g.c_m, g.c_n);
+  if (s.defined()) {
+    g.s = s.const_data_ptr();
+    strides(s, g.s_b, g.s_m, g.s_n);
+  }
   g.alpha = static_cast<float>(alpha.toDouble());
   g.beta = beta_f;
   g.sum_batches = sum_batches;
