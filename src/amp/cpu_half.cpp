@@ -34,6 +34,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "amp/cpu_half_conv1d.h"
 #include "bridge/bridge.h"
 #include "kernels/activation.h"
 #include "kernels/gemm.h"
@@ -207,7 +208,8 @@ at::Tensor gemm_rounded(int64_t dims, const at::Tensor& a, const at::Tensor& b,
   at::Tensor out = at::empty(sizes, a.options());
   kernels::cpu::HalfGemm g;
   g.t = bridge::kernel_dtype(a, "mm");
-  g.batch = batch;
+  // addbmm: the batches are the terms of one output's sum.
+  (sum_batches ? g.terms : g.batch) = batch;
   g.m = m;
   g.n = n;
   g.k = k;
@@ -217,9 +219,9 @@ at::Tensor gemm_rounded(int64_t dims, const at::Tensor& a, const at::Tensor& b,
     s1 = x.stride(-1);
   };
   g.a = a.const_data_ptr();
-  strides(a, g.a_b, g.a_m, g.a_k);
+  strides(a, sum_batches ? g.a_t : g.a_b, g.a_m, g.a_k);
   g.b = b.const_data_ptr();
-  strides(b, g.b_b, g.b_k, g.b_n);
+  strides(b, sum_batches ? g.b_t : g.b_b, g.b_k, g.b_n);
   g.c = out.mutable_data_ptr();
   strides(out, g.c_b, g.c_m, g.c_n);
   if (s.defined()) {
@@ -228,7 +230,6 @@ at::Tensor gemm_rounded(int64_t dims, const at::Tensor& a, const at::Tensor& b,
   }
   g.alpha = static_cast<float>(alpha.toDouble());
   g.beta = beta_f;
-  g.sum_batches = sum_batches;
   kernels::cpu::half_gemm(g);
   ++gemm_calls;
   return out;
@@ -431,6 +432,13 @@ at::Tensor& add_(at::Tensor& self, const at::Tensor& other, const at::Scalar& al
   return self;
 }
 
+bool all_zero(c10::SymIntArrayRef v) {
+  return std::all_of(v.begin(), v.end(), [](const c10::SymInt& x) { return x == 0; });
+}
+
+// Convolutions: 1-D ones with enough channels through apex's own product (cpu_half_conv1d.h;
+// wav2vec 2.0's feature encoder and positional convolution), the others widened around LibTorch's
+// fp32 kernels (oneDNN's).
 at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
                        c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool transposed,
@@ -439,6 +447,13 @@ at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight,
   if (!take({&input, &weight, &b})) {
     return at::compositeexplicitautograd::convolution_symint(
         input, weight, bias, stride, padding, dilation, transposed, output_padding, groups);
+  }
+  if (own_gemm() && all_zero(output_padding)) {
+    if (const auto s =
+            detail::conv1d_shape(input, weight, b, stride, padding, dilation, transposed, groups)) {
+      ++gemm_calls;
+      return detail::conv1d_rounded(*s, input, weight, b);
+    }
   }
   const std::optional<at::Tensor> wb = b.defined() ? std::optional<at::Tensor>(wide(b)) : bias;
   return at::compositeexplicitautograd::convolution_symint(wide(input), wide(weight), wb, stride,
@@ -456,6 +471,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
     return at::compositeexplicitautograd::convolution_backward_symint(
         grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
         output_padding, groups, output_mask);
+  }
+  if (own_gemm() && all_zero(output_padding)) {
+    if (const auto s = detail::conv1d_shape(input, weight, at::Tensor(), stride, padding, dilation,
+                                            transposed, groups)) {
+      ++gemm_calls;
+      return detail::conv1d_backward_rounded(*s, grad_output, input, weight, output_mask);
+    }
   }
   auto [gi, gw, gb] = at::compositeexplicitautograd::convolution_backward_symint(
       wide(grad_output), wide(input), wide(weight), bias_sizes, stride, padding, dilation,

@@ -11,27 +11,25 @@
 
 namespace apex::kernels::cpu {
 
-/// C[b] = alpha * A[b] B[b] + beta * S[b] for b < batch, A [m, k], B [k, n], C and S [m, n], all
-/// stored as t (bf16 or fp16), each element addressed by its strides (in elements; 0 for a
-/// broadcast dimension of S; C must not overlap the others). The sums are fp32 (each a chain of
-/// fused multiply-adds in k order, in blocks of 256 added in order), the same bits for any thread
-/// count; alpha * sum + beta * s in fp32, rounded once to nearest even. S null or beta 0: no S
-/// (NaN in it not propagated, as BLAS). m, n, k > 0.
+/// C[b] = alpha * (sum over t < terms of A[b, t] B[b, t]) + beta * S[b] for b < batch, A [m, k],
+/// B [k, n], C and S [m, n], all stored as t (bf16 or fp16), each element addressed by its strides
+/// (in elements, any sign; 0 for a broadcast dimension of S; C must not overlap the others). Each
+/// output's sum is fp32, one chain of fused multiply-adds over the terms in order and k in order
+/// (in blocks of 256), the same bits for any thread count; alpha * sum + beta * s in fp32, rounded
+/// once to nearest even. S null or beta 0: no S (NaN in it not propagated, as BLAS). m, n, k,
+/// batch, terms > 0. The terms are addbmm's batches (batch 1) or a convolution's taps.
 struct HalfGemm {
   DType t = DType::kBFloat16;
-  int64_t batch = 1, m = 0, n = 0, k = 0;
+  int64_t batch = 1, terms = 1, m = 0, n = 0, k = 0;
   const void* a = nullptr;
-  int64_t a_b = 0, a_m = 0, a_k = 0;
+  int64_t a_b = 0, a_t = 0, a_m = 0, a_k = 0;
   const void* b = nullptr;
-  int64_t b_b = 0, b_k = 0, b_n = 0;
+  int64_t b_b = 0, b_t = 0, b_k = 0, b_n = 0;
   void* c = nullptr;
   int64_t c_b = 0, c_m = 0, c_n = 0;
   const void* s = nullptr;
   int64_t s_b = 0, s_m = 0, s_n = 0;
   float alpha = 1.0f, beta = 0.0f;
-  /// addbmm: C = alpha * (sum over b of A[b] B[b]) + beta * S, C and S [m, n] (c_b, s_b unused);
-  /// the batches' sums added in batch order.
-  bool sum_batches = false;
 };
 
 /// Whether this CPU's kernel table has the product (AVX2 with FMA and F16C, or wider).

@@ -291,6 +291,30 @@ std::vector<Case> cases() {
        [](const Input& in) {
          return at::conv_transpose2d(in({2, 4, 5, 5}, 29), in({4, 3, 4, 4}, 30), in({3}, 31), 2, 1);
        }},
+      // 1-D convolutions with 16 or more output channels (per group): apex's own product, a sum
+      // over the taps reading the input through strides (cpu_half_conv1d.h). Lengths that fill
+      // the packing's stride-2 runs and leave a tail; the input's gradient a residue at a time.
+      {"conv1d k3 s2 32 -> 32 channels (wav2vec2's encoder layers)",
+       [](const Input& in) {
+         return at::conv1d(in({2, 32, 101}, 130), in({32, 32, 3}, 131), {}, 2);
+       }},
+      {"conv1d one input channel, k10 s5 to 16, bias (the taps are k)",
+       [](const Input& in) {
+         return at::conv1d(in({2, 1, 400}, 132), in({16, 1, 10}, 133), in({16}, 134), 5);
+       }},
+      {"conv1d 2 groups, k7, dilation 2, padding 3, bias",
+       [](const Input& in) {
+         return at::conv1d(in({2, 16, 60}, 135), in({32, 8, 7}, 136), in({32}, 137), 1, 3, 2, 2);
+       }},
+      {"conv1d stride 3, dilation 3 (two residues without taps), padding 1",
+       [](const Input& in) {
+         return at::conv1d(in({2, 8, 50}, 138), in({16, 8, 2}, 139), {}, 3, 1, 3);
+       }},
+      {"conv1d of a transposed input, k5 padding 2 (wav2vec2's positional convolution)",
+       [](const Input& in) {
+         return at::conv1d(in({2, 40, 16}, 140).transpose(1, 2), in({16, 16, 5}, 141),
+                           in({16}, 142), 1, 2);
+       }},
       {"scaled_dot_product_attention",
        [](const Input& in) {
          return at::scaled_dot_product_attention(in({2, 2, 16, 8}, 32), in({2, 2, 16, 8}, 33),
@@ -671,6 +695,36 @@ TEST(CpuHalfFallback, OwnProductDoesNotDependOnThreadsOrSplit) {
     const at::Tensor want = at::mm(a.to(at::kFloat), b.to(at::kFloat));
     EXPECT_TRUE(rounded_once(got[0][0], want)) << t;
     EXPECT_TRUE(rounded_once(got[0][1], want.t())) << t;
+  }
+  at::set_num_threads(threads);
+}
+
+// The 1-D convolutions the product takes: counted as its calls (forward, and backward once for
+// all gradients), the same bits for 1 and 4 threads; those it does not take (too few channels,
+// transposed) widened.
+TEST(CpuHalfFallback, Conv1dThroughOwnProduct) {
+  const ForceAvailable force;
+  const bool own = apex::amp::detail::cpu_half_own_gemm();
+  const int threads = at::get_num_threads();
+  for (const auto t : {at::kBFloat16, at::kHalf}) {
+    std::vector<at::Tensor> got[2];
+    for (const int n : {1, 4}) {
+      at::set_num_threads(n);
+      const at::Tensor x = exact({3, 64, 199}, t, 150).requires_grad_();
+      const at::Tensor w = exact({64, 64, 3}, t, 151).requires_grad_();
+      const CpuHalfFallbackGuard guard;
+      const uint64_t before = apex::amp::detail::cpu_half_gemm_calls();
+      const at::Tensor y = at::conv1d(x, w, {}, 2);
+      y.backward(exact(y.sizes(), t, 152));
+      EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls() - before, own ? 2u : 0u) << t;
+      got[n == 4] = {y, x.grad(), w.grad()};
+      const uint64_t taken = apex::amp::detail::cpu_half_gemm_calls();
+      at::conv1d(exact({3, 64, 50}, t, 153), exact({8, 64, 3}, t, 154));
+      at::conv1d(exact({3, 4, 50}, t, 155), exact({32, 4, 3}, t, 156));
+      at::conv_transpose1d(exact({3, 64, 50}, t, 157), exact({64, 32, 3}, t, 158));
+      EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls(), taken) << t;
+    }
+    for (size_t i = 0; i < got[0].size(); ++i) EXPECT_TRUE(got[0][i].equal(got[1][i])) << t << i;
   }
   at::set_num_threads(threads);
 }

@@ -41,26 +41,28 @@ bool half_gemm_available() { return cpu_kernels().gemm->multiply != nullptr; }
 void half_gemm(const HalfGemm& g) {
   TORCH_CHECK(g.t == DType::kBFloat16 || g.t == DType::kFloat16,
               "apex half_gemm: expected bf16 or fp16 elements");
-  TORCH_CHECK(g.m > 0 && g.n > 0 && g.k > 0 && g.batch > 0, "apex half_gemm: empty product ", g.m,
-              "x", g.k, " by ", g.k, "x", g.n, " (batch ", g.batch, ")");
+  TORCH_CHECK(g.m > 0 && g.n > 0 && g.k > 0 && g.batch > 0 && g.terms > 0,
+              "apex half_gemm: empty product ", g.m, "x", g.k, " by ", g.k, "x", g.n, " (batch ",
+              g.batch, ", terms ", g.terms, ")");
   const GemmKernels& kern = *cpu_kernels().gemm;
   TORCH_CHECK(kern.multiply != nullptr, "apex half_gemm: not available on this CPU");
   const MultiTensorKernels& mt = *cpu_kernels().multi_tensor;
   const DType t = g.t;
-  const int64_t kp = round_up(g.k, kGemmKc);
+  // B's packed rows per column: every term's k, in blocks of kGemmKc (block q: term q / per_term,
+  // rows from (q % per_term) * kGemmKc), laid out in that order.
+  const auto ceil_div = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
+  const int64_t kp = g.terms * g.k;
+  const int64_t per_term = ceil_div(g.k, kGemmKc), k_blocks = g.terms * per_term;
   // Two items per thread: batches first, then blocks of rows (each item packs its B chunk), then
   // chunks of columns (each packs its A blocks), B chunks never above kPackedB.
   const int64_t wanted = 2 * static_cast<int64_t>(at::get_num_threads());
-  const auto ceil_div = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
   const int64_t row_blocks = ceil_div(g.m, kGemmMc);
-  // Batches summed into one output (addbmm) are not split: each item sums all of them.
-  const int64_t item_batches = g.sum_batches ? 1 : g.batch;
-  const int64_t per_rows = std::clamp<int64_t>(ceil_div(wanted, item_batches), 1, row_blocks);
-  const int64_t col_split = std::max<int64_t>(1, ceil_div(wanted, item_batches * per_rows));
+  const int64_t per_rows = std::clamp<int64_t>(ceil_div(wanted, g.batch), 1, row_blocks);
+  const int64_t col_split = std::max<int64_t>(1, ceil_div(wanted, g.batch * per_rows));
   const int64_t chunk = std::min(round_up(ceil_div(g.n, col_split), kern.nr),
                                  std::max(kern.nr, kPackedB / kp / kern.nr * kern.nr));
   const int64_t chunks = ceil_div(g.n, chunk);
-  const int64_t items = item_batches * chunks * per_rows;
+  const int64_t items = g.batch * chunks * per_rows;
   const bool with_s = g.s != nullptr && g.beta != 0.0f;
   const auto* a16 = static_cast<const uint16_t*>(g.a);
   const auto* b16 = static_cast<const uint16_t*>(g.b);
@@ -75,34 +77,41 @@ void half_gemm(const HalfGemm& g) {
     const int64_t j0 = ci * chunk, nc = std::min(chunk, g.n - j0);
     return Chunk{bi, j0, nc, round_up(nc, kern.nr)};
   };
-  // Columns [j, j + w) of the chunk's B (w a multiple of nr, or the rest) over k block l.
-  const auto pack_b_part = [&](const Chunk& ch, float* pb, int64_t l, int64_t j, int64_t w) {
-    const uint16_t* b = b16 + ch.bi * g.b_b + (ch.j0 + j) * g.b_n + l * g.b_k;
-    const int64_t kc = std::min(kGemmKc, g.k - l);
-    kern.pack_b(b, g.b_k, g.b_n, std::min(w, ch.nc - j), g.n - ch.j0 - j, kc,
-                pb + l * ch.ncp + j * kc, t);
+  // k block q: its term, first row of k, length, and first packed row.
+  struct Block {
+    int64_t ti, l, kc, row;
   };
-  // Rows [i0, i0 + mc) of the chunk into c (ldc ncp), added to what c holds if `accumulate`.
+  const auto block = [&](int64_t q) {
+    const int64_t ti = q / per_term, l = q % per_term * kGemmKc;
+    return Block{ti, l, std::min(kGemmKc, g.k - l), ti * g.k + l};
+  };
+  // Columns [j, j + w) of the chunk's B (w a multiple of nr, or the rest) over k block q.
+  const auto pack_b_part = [&](const Chunk& ch, float* pb, int64_t q, int64_t j, int64_t w) {
+    const Block kb = block(q);
+    const uint16_t* b = b16 + ch.bi * g.b_b + kb.ti * g.b_t + (ch.j0 + j) * g.b_n + kb.l * g.b_k;
+    kern.pack_b(b, g.b_k, g.b_n, std::min(w, ch.nc - j), g.n - ch.j0 - j, kb.kc,
+                pb + kb.row * ch.ncp + j * kb.kc, t);
+  };
+  // Rows [i0, i0 + mc) of the chunk into c (ldc ncp), summed over every term and k block.
   const auto multiply_rows = [&](const Chunk& ch, const float* pb, float* pa, int64_t i0,
-                                 int64_t mc, float* c, bool accumulate) {
-    const uint16_t* a = a16 + ch.bi * g.a_b;
-    for (int64_t l = 0; l < g.k; l += kGemmKc) {
-      const int64_t kc = std::min(kGemmKc, g.k - l);
-      kern.pack_a(a + i0 * g.a_m + l * g.a_k, g.a_m, g.a_k, mc, g.m - i0, kc, pa, t);
-      kern.multiply(pa, pb + l * ch.ncp, mc, ch.ncp, kc, c, ch.ncp, accumulate || l > 0);
+                                 int64_t mc, float* c) {
+    for (int64_t q = 0; q < k_blocks; ++q) {
+      const Block kb = block(q);
+      const uint16_t* a = a16 + ch.bi * g.a_b + kb.ti * g.a_t + i0 * g.a_m + kb.l * g.a_k;
+      kern.pack_a(a, g.a_m, g.a_k, mc, g.m - i0, kb.kc, pa, t);
+      kern.multiply(pa, pb + kb.row * ch.ncp, mc, ch.ncp, kb.kc, c, ch.ncp, q > 0);
     }
   };
   // Rows [i0, i0 + rows) of the chunk's output from their sums in c, row by row: alpha, beta * S
-  // in fp32, one rounding (bi: the output's batch, 0 when batches are summed).
-  const auto finish_rows = [&](const Chunk& ch, int64_t bi, int64_t i0, int64_t rows, float* c,
-                               float* srow) {
+  // in fp32, one rounding.
+  const auto finish_rows = [&](const Chunk& ch, int64_t i0, int64_t rows, float* c, float* srow) {
     for (int64_t i = 0; i < rows; ++i) {
       float* row = c + i * ch.ncp;
       if (g.alpha != 1.0f) {
         for (int64_t j = 0; j < ch.nc; ++j) row[j] *= g.alpha;
       }
       if (with_s) {
-        const uint16_t* s = s16 + bi * g.s_b + (i0 + i) * g.s_m + ch.j0 * g.s_n;
+        const uint16_t* s = s16 + ch.bi * g.s_b + (i0 + i) * g.s_m + ch.j0 * g.s_n;
         if (g.s_n == 1) {
           mt.to_float(s, t, srow, ch.nc);
         } else {
@@ -110,7 +119,7 @@ void half_gemm(const HalfGemm& g) {
         }
         for (int64_t j = 0; j < ch.nc; ++j) row[j] += g.beta * srow[j];
       }
-      uint16_t* out = c16 + bi * g.c_b + (i0 + i) * g.c_m + ch.j0 * g.c_n;
+      uint16_t* out = c16 + ch.bi * g.c_b + (i0 + i) * g.c_m + ch.j0 * g.c_n;
       if (g.c_n == 1) {
         mt.from_float(row, t, out, ch.nc);
       } else {
@@ -123,7 +132,7 @@ void half_gemm(const HalfGemm& g) {
     if (buf.c.size() > static_cast<size_t>(kPackedB + 64)) std::vector<float>().swap(buf.c);
   };
 
-  if (!g.sum_batches && per_rows > 1) {
+  if (per_rows > 1) {
     // Rows split between threads: each chunk's B packed once, by all threads, into the calling
     // thread's buffer, then its blocks of rows shared out (two parallel regions per chunk: worth
     // it only where there are rows to split, so few batches).
@@ -132,11 +141,10 @@ void half_gemm(const HalfGemm& g) {
       for (int64_t ci = 0; ci < chunks; ++ci) {
         const Chunk ch = chunk_of(bi, ci);
         float* pb = Buffers::sized(mine.b, kp * ch.ncp);
-        const int64_t panels = ch.ncp / kern.nr, k_blocks = kp / kGemmKc;
+        const int64_t panels = ch.ncp / kern.nr;
         at::parallel_for(0, k_blocks * panels, 4, [&](int64_t p0, int64_t p1) {
-          for (int64_t p = p0; p < p1; ++p) {
-            pack_b_part(ch, pb, p / panels * kGemmKc, p % panels * kern.nr, kern.nr);
-          }
+          for (int64_t p = p0; p < p1; ++p)
+            pack_b_part(ch, pb, p / panels, p % panels * kern.nr, kern.nr);
         });
         at::parallel_for(0, row_blocks, 1, [&](int64_t r0, int64_t r1) {
           Buffers& buf = buffers;
@@ -145,8 +153,8 @@ void half_gemm(const HalfGemm& g) {
           float* srow = Buffers::sized(buf.s, ch.ncp);
           for (int64_t r = r0; r < r1; ++r) {
             const int64_t i0 = r * kGemmMc, mc = std::min(kGemmMc, g.m - i0);
-            multiply_rows(ch, pb, pa, i0, mc, c, false);
-            finish_rows(ch, bi, i0, mc, c, srow);
+            multiply_rows(ch, pb, pa, i0, mc, c);
+            finish_rows(ch, i0, mc, c, srow);
           }
         });
       }
@@ -156,47 +164,28 @@ void half_gemm(const HalfGemm& g) {
   }
 
   // Otherwise items of (batch, column chunk, rows) per thread, each packing its own B chunk (a
-  // thread's consecutive items of one chunk pack it once); batches summed (addbmm) inside items.
+  // thread's consecutive items of one chunk pack it once).
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     Buffers& buf = buffers;
-    int64_t packed = -1;  // the key of the chunk whose B is in buf.b
+    int64_t packed = -1;  // the chunk (bi * chunks + ci) whose B is in buf.b
     for (int64_t item = begin; item < end; ++item) {
       const int64_t ci = item / per_rows % chunks;
       const int64_t ri = item % per_rows;
       const int64_t i_begin = row_blocks * ri / per_rows * kGemmMc;
       const int64_t i_end = std::min(g.m, row_blocks * (ri + 1) / per_rows * kGemmMc);
-      const int64_t ncp = chunk_of(0, ci).ncp;
-      float* pa = Buffers::sized(buf.a, kGemmMc * kGemmKc);
-      float* srow = Buffers::sized(buf.s, ncp);
-      const auto packed_b = [&](const Chunk& ch, int64_t key) {
-        float* pb = Buffers::sized(buf.b, kp * ch.ncp);
-        for (int64_t l = 0; l < g.k && packed != key; l += kGemmKc) {
-          pack_b_part(ch, pb, l, 0, ch.ncp);
-        }
-        packed = key;
-        return pb;
-      };
-      if (g.sum_batches) {
-        // The item's rows summed over the batches (in batch order) in one buffer.
-        float* c = Buffers::sized(buf.c, round_up(i_end - i_begin, kGemmMr) * ncp);
-        for (int64_t bi = 0; bi < g.batch; ++bi) {
-          const Chunk ch = chunk_of(bi, ci);
-          const float* pb = packed_b(ch, -2 - (bi * chunks + ci));  // apart from the keys below
-          for (int64_t i0 = i_begin; i0 < i_end; i0 += kGemmMc) {
-            multiply_rows(ch, pb, pa, i0, std::min(kGemmMc, i_end - i0), c + (i0 - i_begin) * ncp,
-                          bi > 0);
-          }
-        }
-        finish_rows(chunk_of(0, ci), 0, i_begin, i_end - i_begin, c, srow);
-        continue;
-      }
       const Chunk ch = chunk_of(item / (chunks * per_rows), ci);
-      const float* pb = packed_b(ch, item / per_rows);
-      float* c = Buffers::sized(buf.c, round_up(kGemmMc, kGemmMr) * ncp);
+      float* pa = Buffers::sized(buf.a, kGemmMc * kGemmKc);
+      float* srow = Buffers::sized(buf.s, ch.ncp);
+      float* pb = Buffers::sized(buf.b, kp * ch.ncp);
+      if (packed != item / per_rows) {
+        for (int64_t q = 0; q < k_blocks; ++q) pack_b_part(ch, pb, q, 0, ch.ncp);
+        packed = item / per_rows;
+      }
+      float* c = Buffers::sized(buf.c, round_up(kGemmMc, kGemmMr) * ch.ncp);
       for (int64_t i0 = i_begin; i0 < i_end; i0 += kGemmMc) {
         const int64_t mc = std::min(kGemmMc, i_end - i0);
-        multiply_rows(ch, pb, pa, i0, mc, c, false);
-        finish_rows(ch, ch.bi, i0, mc, c, srow);
+        multiply_rows(ch, pb, pa, i0, mc, c);
+        finish_rows(ch, i0, mc, c, srow);
       }
     }
     release(buf);

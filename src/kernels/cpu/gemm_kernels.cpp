@@ -30,6 +30,26 @@ inline __m256 widen8(const uint16_t* p) {
   }
 }
 
+// The eight even elements of p[0, 16) as fp32 lanes (a stride-2 operand; reads p[15] too).
+template <bool kBf16>
+inline __m256 widen8_even(const uint16_t* p) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (kBf16) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  } else {
+    const __m256i lo = _mm256_and_si256(x, _mm256_set1_epi32(0xFFFF));
+    // Per 128-bit lane: its four values twice; then the two lanes' first quadwords together.
+    const __m256i packed = _mm256_packus_epi32(lo, lo);
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+  }
+}
+
+// Eight elements at p[0], p[s], ..., p[7 * s] for s 1 or 2 (s 2 reads p[15] too).
+template <bool kBf16>
+inline __m256 widen8_strided(const uint16_t* p, int64_t s) {
+  return s == 1 ? widen8<kBf16>(p) : widen8_even<kBf16>(p);
+}
+
 template <bool kBf16>
 inline float widen1(uint16_t h) {
   if constexpr (kBf16) {
@@ -61,12 +81,20 @@ inline void transpose8(__m256 r[8]) {
 // One panel of `w` lanes (lane i's element l at src[i * s_lane + l * s_k]) for l < kc, lanes past
 // `lanes` zero: out[l * w + i]. `lanes_avail` lanes exist from src (reads may go past `lanes`
 // up to it). Stores may run up to 8 floats past the panel (the caller's buffer has room; the next
-// panel's stores come after and overwrite them).
+// panel's stores come after and overwrite them). Stride-2 runs (a strided convolution's input)
+// load 16 elements for 8: only where an element follows the run's last one.
 template <bool kBf16, int64_t w>
 void pack_panel(const uint16_t* src, int64_t s_lane, int64_t s_k, int64_t lanes,
                 int64_t lanes_avail, int64_t kc, float* out) {
   int64_t l = 0;
-  if (lanes == w && s_lane == 1) {
+  if (lanes == w && s_lane == 2 && w % 8 == 0 && lanes_avail > w) {
+    for (; l < kc; ++l) {
+      const uint16_t* p = src + l * s_k;
+      for (int64_t i = 0; i < w; i += 8) {
+        _mm256_storeu_ps(out + l * w + i, widen8_even<kBf16>(p + 2 * i));
+      }
+    }
+  } else if (lanes == w && s_lane == 1) {
     // Lanes contiguous: a row of the panel is a run of w elements (8 more for w = 6 when the
     // matrix has them: then one load and an overlapping store).
     if constexpr (w % 8 == 0) {
@@ -77,13 +105,14 @@ void pack_panel(const uint16_t* src, int64_t s_lane, int64_t s_k, int64_t lanes,
     } else if (lanes_avail >= 8) {
       for (; l < kc; ++l) _mm256_storeu_ps(out + l * w, widen8<kBf16>(src + l * s_k));
     }
-  } else if (lanes == w && s_k == 1) {
-    // Each lane contiguous in k: 8 x 8 blocks transposed in registers.
-    for (; l + 8 <= kc; l += 8) {
+  } else if (lanes == w && (s_k == 1 || s_k == 2)) {
+    // Each lane contiguous (or every other element) in k: 8 x 8 blocks transposed in registers.
+    for (; l + 8 + (s_k - 1) <= kc; l += 8) {
       for (int64_t i0 = 0; i0 < w; i0 += 8) {
         __m256 r[8];
         for (int64_t i = 0; i < 8; ++i) {
-          r[i] = i0 + i < w ? widen8<kBf16>(src + (i0 + i) * s_lane + l) : _mm256_setzero_ps();
+          r[i] = i0 + i < w ? widen8_strided<kBf16>(src + (i0 + i) * s_lane + l * s_k, s_k)
+                            : _mm256_setzero_ps();
         }
         transpose8(r);
         // Rows in increasing order: for w = 6 each store's last two lanes are overwritten by the

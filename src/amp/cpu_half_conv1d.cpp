@@ -1,0 +1,219 @@
+// 1-D convolutions of half CPU tensors as apex's own products (cpu_half_conv1d.h). With x the
+// (zero-padded) input, w the weight, g the output's gradient, s the stride, d the dilation and K
+// taps, per group:
+//
+//   out[n, :, t]  = sum over taps j of  w[:, :, j] x[n, :, s t + d j]       (terms: the taps)
+//   gw[:, :, j]   = sum over samples n of  g[n] x[n, :, s t + d j]^T        (terms: the samples)
+//   gx[n, :, u]   = sum over j with s t + d j = u of  w[:, :, j]^T g[n, :, t]
+//
+// Each is a product whose operands are strided views of the tensors (no im2col copy). The input's
+// gradient is computed a residue of u modulo s at a time: the taps that reach u = r + s u' are
+// those with d j = r (mod s), an arithmetic progression, and they read g at u' minus a step that
+// falls by a constant from one tap to the next (g padded with zeros at both ends for the taps that
+// reach past it). Every output element is one fp32 sum rounded once.
+#include "amp/cpu_half_conv1d.h"
+
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/sum.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <limits>
+#include <numeric>
+
+#include "bridge/bridge.h"
+#include "kernels/gemm.h"
+
+namespace apex::amp::detail {
+namespace {
+
+const uint16_t* bits(const at::Tensor& t) {
+  return static_cast<const uint16_t*>(t.const_data_ptr());
+}
+uint16_t* bits_mut(at::Tensor& t) { return static_cast<uint16_t*>(t.mutable_data_ptr()); }
+
+at::Tensor padded(const at::Tensor& x, int64_t left, int64_t right) {
+  return left > 0 || right > 0 ? at::constant_pad_nd(x, {left, right}) : x;
+}
+
+}  // namespace
+
+std::optional<Conv1dShape> conv1d_shape(const at::Tensor& input, const at::Tensor& weight,
+                                        const at::Tensor& bias, c10::SymIntArrayRef stride,
+                                        c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
+                                        bool transposed, const c10::SymInt& groups) {
+  if (transposed || input.dim() != 3 || weight.dim() != 3 || stride.size() != 1 ||
+      padding.size() != 1 || dilation.size() != 1) {
+    return std::nullopt;
+  }
+  const std::optional<int64_t> st = stride[0].maybe_as_int(), p = padding[0].maybe_as_int(),
+                               d = dilation[0].maybe_as_int(), g = groups.maybe_as_int();
+  if (!st || !p || !d || !g || *st < 1 || *p < 0 || *d < 1 || *g < 1) return std::nullopt;
+  const int64_t n = input.size(0), c = input.size(1), l = input.size(2);
+  const int64_t o = weight.size(0), cg = weight.size(1), k = weight.size(2);
+  if (n <= 0 || c <= 0 || l <= 0 || o <= 0 || k <= 0 || cg * *g != c || o % *g != 0) {
+    return std::nullopt;
+  }
+  if (*p > (std::numeric_limits<int32_t>::max() - l) / 2) return std::nullopt;
+  const int64_t lp = l + 2 * *p;
+  if (k > 1 && *d > (lp - 1) / (k - 1)) return std::nullopt;  // the taps span more than lp
+  if (bias.defined() && (bias.dim() != 1 || bias.size(0) != o)) return std::nullopt;
+  if (o / *g < 16 || (cg != 1 && cg < 8)) return std::nullopt;
+  const int64_t span = *d * (k - 1) + 1;
+  return Conv1dShape{n, c, l, o, k, *st, *p, *d, *g, (lp - span) / *st + 1};
+}
+
+at::Tensor conv1d_rounded(const Conv1dShape& s, const at::Tensor& input, const at::Tensor& weight,
+                          const at::Tensor& bias) {
+  const at::Tensor x = padded(input, s.padding, s.padding);
+  at::Tensor out = at::empty({s.n, s.c_out, s.out_length}, input.options());
+  const int64_t cg = s.c_in / s.groups, og = s.c_out / s.groups;
+  for (int64_t gi = 0; gi < s.groups; ++gi) {
+    kernels::cpu::HalfGemm g;
+    g.t = bridge::kernel_dtype(input, "conv1d");
+    g.batch = s.n;
+    g.m = og;
+    g.n = s.out_length;
+    g.a = bits(weight) + gi * og * weight.stride(0);
+    g.a_m = weight.stride(0);
+    g.b = bits(x) + gi * cg * x.stride(1);
+    g.b_b = x.stride(0);
+    g.b_n = s.stride * x.stride(2);
+    if (cg == 1) {  // one input channel: the taps are k
+      g.k = s.taps;
+      g.a_k = weight.stride(2);
+      g.b_k = s.dilation * x.stride(2);
+    } else {
+      g.k = cg;
+      g.terms = s.taps;
+      g.a_k = weight.stride(1);
+      g.a_t = weight.stride(2);
+      g.b_k = x.stride(1);
+      g.b_t = s.dilation * x.stride(2);
+    }
+    g.c = bits_mut(out) + gi * og * out.stride(1);
+    g.c_b = out.stride(0);
+    g.c_m = out.stride(1);
+    g.c_n = out.stride(2);
+    if (bias.defined()) {
+      g.s = bits(bias) + gi * og * bias.stride(0);
+      g.s_m = bias.stride(0);
+      g.beta = 1.0f;
+    }
+    kernels::cpu::half_gemm(g);
+  }
+  return out;
+}
+
+namespace {
+
+at::Tensor input_grad(const Conv1dShape& s, const at::Tensor& grad, const at::Tensor& input,
+                      const at::Tensor& weight) {
+  at::Tensor gx = at::empty({s.n, s.c_in, s.length}, input.options());
+  const int64_t cg = s.c_in / s.groups, og = s.c_out / s.groups;
+  // Tap j reads g at u' - o_j, o_j = floor(d j / s) <= lead; u' runs up to ceil(lp / s).
+  const int64_t lead = s.dilation * (s.taps - 1) / s.stride;
+  const int64_t lp = s.length + 2 * s.padding;
+  const int64_t tail = std::max<int64_t>(0, (lp + s.stride - 1) / s.stride - s.out_length);
+  const at::Tensor gp = padded(grad, lead, tail);
+  // Taps reaching one residue: j, j + step, ...; their o_j falls by o_step from one to the next.
+  const int64_t step = s.stride / std::gcd(s.stride, s.dilation);
+  const int64_t o_step = s.dilation * step / s.stride;
+  for (int64_t r = 0; r < s.stride; ++r) {
+    // The input's positions u = r + s u' in [padding, padding + length).
+    const int64_t u0 = s.padding > r ? (s.padding - r + s.stride - 1) / s.stride : 0;
+    const int64_t last = s.padding + s.length - 1 - r;
+    if (last < 0) continue;
+    const int64_t cols = last / s.stride - u0 + 1;
+    if (cols <= 0) continue;
+    const int64_t first = r + s.stride * u0 - s.padding;  // in gx
+    int64_t j0 = 0;
+    while (j0 < s.taps && s.dilation * j0 % s.stride != r) ++j0;
+    if (j0 == s.taps) {  // no tap lands here: zero
+      gx.slice(2, first, first + s.stride * (cols - 1) + 1, s.stride).zero_();
+      continue;
+    }
+    const int64_t count = (s.taps - 1 - j0) / step + 1;
+    const int64_t o0 = (s.dilation * j0 - r) / s.stride;
+    for (int64_t gi = 0; gi < s.groups; ++gi) {
+      kernels::cpu::HalfGemm g;
+      g.t = bridge::kernel_dtype(input, "conv1d backward");
+      g.batch = s.n;
+      g.terms = count;
+      g.m = cg;
+      g.k = og;
+      g.n = cols;
+      g.a = bits(weight) + gi * og * weight.stride(0) + j0 * weight.stride(2);
+      g.a_m = weight.stride(1);
+      g.a_k = weight.stride(0);
+      g.a_t = step * weight.stride(2);
+      g.b = bits(gp) + gi * og * gp.stride(1) + (u0 - o0 + lead) * gp.stride(2);
+      g.b_b = gp.stride(0);
+      g.b_k = gp.stride(1);
+      g.b_n = gp.stride(2);
+      g.b_t = -o_step * gp.stride(2);
+      g.c = bits_mut(gx) + gi * cg * gx.stride(1) + first * gx.stride(2);
+      g.c_b = gx.stride(0);
+      g.c_m = gx.stride(1);
+      g.c_n = s.stride * gx.stride(2);
+      kernels::cpu::half_gemm(g);
+    }
+  }
+  return gx;
+}
+
+at::Tensor weight_grad(const Conv1dShape& s, const at::Tensor& grad, const at::Tensor& input,
+                       const at::Tensor& weight) {
+  const int64_t cg = s.c_in / s.groups, og = s.c_out / s.groups;
+  at::Tensor gw = at::empty({s.c_out, cg, s.taps}, weight.options());
+  const at::Tensor x = padded(input, s.padding, s.padding);
+  for (int64_t gi = 0; gi < s.groups; ++gi) {
+    kernels::cpu::HalfGemm g;
+    g.t = bridge::kernel_dtype(input, "conv1d backward");
+    g.terms = s.n;
+    g.m = og;
+    g.k = s.out_length;
+    g.a = bits(grad) + gi * og * grad.stride(1);
+    g.a_m = grad.stride(1);
+    g.a_k = grad.stride(2);
+    g.a_t = grad.stride(0);
+    g.b = bits(x) + gi * cg * x.stride(1);
+    g.b_k = s.stride * x.stride(2);
+    g.b_t = x.stride(0);
+    g.c = bits_mut(gw) + gi * og * gw.stride(0);
+    g.c_m = gw.stride(0);
+    if (cg == 1) {  // one input channel: the taps are the columns
+      g.n = s.taps;
+      g.b_n = s.dilation * x.stride(2);
+      g.c_n = gw.stride(2);
+    } else {  // a batch per tap
+      g.batch = s.taps;
+      g.n = cg;
+      g.b_n = x.stride(1);
+      g.b_b = s.dilation * x.stride(2);
+      g.c_n = gw.stride(1);
+      g.c_b = gw.stride(2);
+    }
+    kernels::cpu::half_gemm(g);
+  }
+  return gw;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv1d_backward_rounded(
+    const Conv1dShape& s, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& weight, std::array<bool, 3> mask) {
+  TORCH_CHECK(grad_output.dim() == 3 && grad_output.size(0) == s.n &&
+                  grad_output.size(1) == s.c_out && grad_output.size(2) == s.out_length,
+              "apex conv1d backward: expected a gradient of sizes [", s.n, ", ", s.c_out, ", ",
+              s.out_length, "], got ", grad_output.sizes());
+  at::Tensor gx, gw, gb;
+  if (mask[0]) gx = input_grad(s, grad_output, input, weight);
+  if (mask[1]) gw = weight_grad(s, grad_output, input, weight);
+  if (mask[2]) gb = at::sum(grad_output, {0, 2}, false, at::kFloat).to(grad_output.scalar_type());
+  return {gx, gw, gb};
+}
+
+}  // namespace apex::amp::detail
