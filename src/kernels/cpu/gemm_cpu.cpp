@@ -114,6 +114,8 @@ void half_gemm(const HalfGemm& g) {
         const uint16_t* s = s16 + ch.bi * g.s_b + (i0 + i) * g.s_m + ch.j0 * g.s_n;
         if (g.s_n == 1) {
           mt.to_float(s, t, srow, ch.nc);
+        } else if (g.s_n == 0) {
+          std::fill(srow, srow + ch.nc, half_bits_to_float(*s, t));
         } else {
           for (int64_t j = 0; j < ch.nc; ++j) srow[j] = half_bits_to_float(s[j * g.s_n], t);
         }
@@ -122,8 +124,10 @@ void half_gemm(const HalfGemm& g) {
       uint16_t* out = c16 + ch.bi * g.c_b + (i0 + i) * g.c_m + ch.j0 * g.c_n;
       if (g.c_n == 1) {
         mt.from_float(row, t, out, ch.nc);
-      } else {
-        for (int64_t j = 0; j < ch.nc; ++j) out[j * g.c_n] = float_to_half_bits(row[j], t);
+      } else {  // rounded in vectors into srow's room (done with), then stored with the stride
+        auto* bits = reinterpret_cast<uint16_t*>(srow);
+        mt.from_float(row, t, bits, ch.nc);
+        for (int64_t j = 0; j < ch.nc; ++j) out[j * g.c_n] = bits[j];
       }
     }
   };
