@@ -59,9 +59,9 @@ std::optional<Conv1dShape> conv1d_shape(const at::Tensor& input, const at::Tenso
   const int64_t lp = l + 2 * *p;
   if (k > 1 && *d > (lp - 1) / (k - 1)) return std::nullopt;  // the taps span more than lp
   if (bias.defined() && (bias.dim() != 1 || bias.size(0) != o)) return std::nullopt;
-  if (o / *g < 16 || (cg != 1 && cg < 8)) return std::nullopt;
-  const int64_t span = *d * (k - 1) + 1;
-  return Conv1dShape{n, c, l, o, k, *st, *p, *d, *g, (lp - span) / *st + 1};
+  const int64_t out_length = (lp - (*d * (k - 1) + 1)) / *st + 1;
+  if (o / *g < 16 || (cg != 1 && cg < 8) || out_length < 16) return std::nullopt;
+  return Conv1dShape{n, c, l, o, k, *st, *p, *d, *g, out_length};
 }
 
 at::Tensor conv1d_rounded(const Conv1dShape& s, const at::Tensor& input, const at::Tensor& weight,

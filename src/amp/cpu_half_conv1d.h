@@ -19,8 +19,9 @@ struct Conv1dShape {
 
 /// The shape where `input` [N, C, L] and `weight` [O, C / groups, K] (non-transposed, positive
 /// sizes, a bias of O or none) make a convolution the product does well: at least 16 output
-/// channels per group, and 8 or more input channels per group or a single one (then the taps
-/// are the product's k). Otherwise empty, including every case LibTorch refuses.
+/// channels per group, 8 or more input channels per group or a single one (then the taps are
+/// the product's k), an output of 16 or more steps (shorter ones: widening + oneDNN was faster,
+/// measured). Otherwise empty, including every case LibTorch refuses.
 std::optional<Conv1dShape> conv1d_shape(const at::Tensor& input, const at::Tensor& weight,
                                         const at::Tensor& bias, c10::SymIntArrayRef stride,
                                         c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,

@@ -701,7 +701,7 @@ TEST(CpuHalfFallback, OwnProductDoesNotDependOnThreadsOrSplit) {
 
 // The 1-D convolutions the product takes: counted as its calls (forward, and backward once for
 // all gradients), the same bits for 1 and 4 threads; those it does not take (too few channels,
-// transposed) widened.
+// too short an output, transposed) widened.
 TEST(CpuHalfFallback, Conv1dThroughOwnProduct) {
   const ForceAvailable force;
   const bool own = apex::amp::detail::cpu_half_own_gemm();
@@ -721,6 +721,7 @@ TEST(CpuHalfFallback, Conv1dThroughOwnProduct) {
       const uint64_t taken = apex::amp::detail::cpu_half_gemm_calls();
       at::conv1d(exact({3, 64, 50}, t, 153), exact({8, 64, 3}, t, 154));
       at::conv1d(exact({3, 4, 50}, t, 155), exact({32, 4, 3}, t, 156));
+      at::conv1d(exact({3, 64, 17}, t, 159), exact({64, 64, 3}, t, 160));  // 15 steps out
       at::conv_transpose1d(exact({3, 64, 50}, t, 157), exact({64, 32, 3}, t, 158));
       EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls(), taken) << t;
     }

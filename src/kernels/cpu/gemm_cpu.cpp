@@ -24,7 +24,7 @@ int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 // Per-thread buffers, kept between calls (~4.3 MiB at most, but for a k so long that one panel of
 // B over all of k exceeds kPackedB: that one is released after its call).
 struct Buffers {
-  std::vector<float> a, b, c, s;
+  std::vector<float> a, a_rows, b, c, s;
   static float* sized(std::vector<float>& v, int64_t n) {
     // 64-byte aligned, 16 floats of room past the end (the packing's overlapping stores).
     if (static_cast<int64_t>(v.size()) < n + 32) v.resize(static_cast<size_t>(n + 32));
@@ -92,14 +92,26 @@ void half_gemm(const HalfGemm& g) {
     kern.pack_b(b, g.b_k, g.b_n, std::min(w, ch.nc - j), g.n - ch.j0 - j, kb.kc,
                 pb + kb.row * ch.ncp + j * kb.kc, t);
   };
-  // Rows [i0, i0 + mc) of the chunk into c (ldc ncp), summed over every term and k block.
-  const auto multiply_rows = [&](const Chunk& ch, const float* pb, float* pa, int64_t i0,
-                                 int64_t mc, float* c) {
+  // Rows [i0, i0 + mc) of A, every k block, into pa: block q at kb.row * round_up(mc, kGemmMr).
+  const auto pack_a_rows = [&](float* pa, int64_t i0, int64_t mc) {
     for (int64_t q = 0; q < k_blocks; ++q) {
       const Block kb = block(q);
-      const uint16_t* a = a16 + ch.bi * g.a_b + kb.ti * g.a_t + i0 * g.a_m + kb.l * g.a_k;
-      kern.pack_a(a, g.a_m, g.a_k, mc, g.m - i0, kb.kc, pa, t);
-      kern.multiply(pa, pb + kb.row * ch.ncp, mc, ch.ncp, kb.kc, c, ch.ncp, q > 0);
+      const uint16_t* a = a16 + kb.ti * g.a_t + i0 * g.a_m + kb.l * g.a_k;
+      kern.pack_a(a, g.a_m, g.a_k, mc, g.m - i0, kb.kc, pa + kb.row * round_up(mc, kGemmMr), t);
+    }
+  };
+  // Rows [i0, i0 + mc) of the chunk into c (ldc ncp), summed over every term and k block: A's
+  // blocks packed one at a time into pa, or all there already (`a_ready`, from pack_a_rows).
+  const auto multiply_rows = [&](const Chunk& ch, const float* pb, float* pa, bool a_ready,
+                                 int64_t i0, int64_t mc, float* c) {
+    for (int64_t q = 0; q < k_blocks; ++q) {
+      const Block kb = block(q);
+      if (!a_ready) {
+        const uint16_t* a = a16 + ch.bi * g.a_b + kb.ti * g.a_t + i0 * g.a_m + kb.l * g.a_k;
+        kern.pack_a(a, g.a_m, g.a_k, mc, g.m - i0, kb.kc, pa, t);
+      }
+      const float* pq = a_ready ? pa + kb.row * round_up(mc, kGemmMr) : pa;
+      kern.multiply(pq, pb + kb.row * ch.ncp, mc, ch.ncp, kb.kc, c, ch.ncp, q > 0);
     }
   };
   // Rows [i0, i0 + rows) of the chunk's output from their sums in c, row by row: alpha, beta * S
@@ -134,6 +146,8 @@ void half_gemm(const HalfGemm& g) {
   const auto release = [](Buffers& buf) {
     if (buf.b.size() > static_cast<size_t>(kPackedB + 64)) std::vector<float>().swap(buf.b);
     if (buf.c.size() > static_cast<size_t>(kPackedB + 64)) std::vector<float>().swap(buf.c);
+    if (buf.a_rows.size() > static_cast<size_t>(kPackedB + 64))
+      std::vector<float>().swap(buf.a_rows);
   };
 
   if (per_rows > 1) {
@@ -157,7 +171,7 @@ void half_gemm(const HalfGemm& g) {
           float* srow = Buffers::sized(buf.s, ch.ncp);
           for (int64_t r = r0; r < r1; ++r) {
             const int64_t i0 = r * kGemmMc, mc = std::min(kGemmMc, g.m - i0);
-            multiply_rows(ch, pb, pa, i0, mc, c);
+            multiply_rows(ch, pb, pa, false, i0, mc, c);
             finish_rows(ch, i0, mc, c, srow);
           }
         });
@@ -168,10 +182,12 @@ void half_gemm(const HalfGemm& g) {
   }
 
   // Otherwise items of (batch, column chunk, rows) per thread, each packing its own B chunk (a
-  // thread's consecutive items of one chunk pack it once).
+  // thread's consecutive items of one chunk pack it once). An A that every batch shares (a_b 0:
+  // a convolution's weight) is packed once per thread and range of rows where it fits.
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     Buffers& buf = buffers;
-    int64_t packed = -1;  // the chunk (bi * chunks + ci) whose B is in buf.b
+    int64_t packed = -1;    // the chunk (bi * chunks + ci) whose B is in buf.b
+    int64_t a_packed = -1;  // the range of rows whose A is in buf.a_rows
     for (int64_t item = begin; item < end; ++item) {
       const int64_t ci = item / per_rows % chunks;
       const int64_t ri = item % per_rows;
@@ -185,10 +201,19 @@ void half_gemm(const HalfGemm& g) {
         for (int64_t q = 0; q < k_blocks; ++q) pack_b_part(ch, pb, q, 0, ch.ncp);
         packed = item / per_rows;
       }
+      const int64_t a_size = round_up(i_end - i_begin, kGemmMr) * kp;
+      const bool keep_a = g.a_b == 0 && g.batch > 1 && a_size <= kPackedB;
+      if (keep_a) {
+        pa = Buffers::sized(buf.a_rows, a_size);
+        for (int64_t i0 = i_begin; i0 < i_end && a_packed != ri; i0 += kGemmMc) {
+          pack_a_rows(pa + (i0 - i_begin) * kp, i0, std::min(kGemmMc, i_end - i0));
+        }
+        a_packed = ri;
+      }
       float* c = Buffers::sized(buf.c, round_up(kGemmMc, kGemmMr) * ch.ncp);
       for (int64_t i0 = i_begin; i0 < i_end; i0 += kGemmMc) {
         const int64_t mc = std::min(kGemmMc, i_end - i0);
-        multiply_rows(ch, pb, pa, i0, mc, c);
+        multiply_rows(ch, pb, keep_a ? pa + (i0 - i_begin) * kp : pa, keep_a, i0, mc, c);
         finish_rows(ch, i0, mc, c, srow);
       }
     }
