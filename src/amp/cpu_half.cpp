@@ -432,10 +432,6 @@ at::Tensor& add_(at::Tensor& self, const at::Tensor& other, const at::Scalar& al
   return self;
 }
 
-bool all_zero(c10::SymIntArrayRef v) {
-  return std::all_of(v.begin(), v.end(), [](const c10::SymInt& x) { return x == 0; });
-}
-
 // Convolutions: 1-D ones with enough channels through apex's own product (cpu_half_conv1d.h;
 // wav2vec 2.0's feature encoder and positional convolution), the others widened around LibTorch's
 // fp32 kernels (oneDNN's).
@@ -448,9 +444,9 @@ at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight,
     return at::compositeexplicitautograd::convolution_symint(
         input, weight, bias, stride, padding, dilation, transposed, output_padding, groups);
   }
-  if (own_gemm() && all_zero(output_padding)) {
-    if (const auto s =
-            detail::conv1d_shape(input, weight, b, stride, padding, dilation, transposed, groups)) {
+  if (own_gemm()) {
+    if (const auto s = detail::conv1d_shape(input, weight, b, stride, padding, dilation, transposed,
+                                            output_padding, groups)) {
       ++gemm_calls;
       return detail::conv1d_rounded(*s, input, weight, b);
     }
@@ -472,9 +468,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
         grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
         output_padding, groups, output_mask);
   }
-  if (own_gemm() && all_zero(output_padding)) {
+  if (own_gemm()) {
     if (const auto s = detail::conv1d_shape(input, weight, at::Tensor(), stride, padding, dilation,
-                                            transposed, groups)) {
+                                            transposed, output_padding, groups)) {
       ++gemm_calls;
       return detail::conv1d_backward_rounded(*s, grad_output, input, weight, output_mask);
     }

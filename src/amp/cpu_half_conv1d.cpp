@@ -42,9 +42,11 @@ at::Tensor padded(const at::Tensor& x, int64_t left, int64_t right) {
 std::optional<Conv1dShape> conv1d_shape(const at::Tensor& input, const at::Tensor& weight,
                                         const at::Tensor& bias, c10::SymIntArrayRef stride,
                                         c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
-                                        bool transposed, const c10::SymInt& groups) {
+                                        bool transposed, c10::SymIntArrayRef output_padding,
+                                        const c10::SymInt& groups) {
   if (transposed || input.dim() != 3 || weight.dim() != 3 || stride.size() != 1 ||
-      padding.size() != 1 || dilation.size() != 1) {
+      padding.size() != 1 || dilation.size() != 1 || output_padding.size() != 1 ||
+      output_padding[0] != 0) {
     return std::nullopt;
   }
   const std::optional<int64_t> st = stride[0].maybe_as_int(), p = padding[0].maybe_as_int(),
@@ -52,16 +54,18 @@ std::optional<Conv1dShape> conv1d_shape(const at::Tensor& input, const at::Tenso
   if (!st || !p || !d || !g || *st < 1 || *p < 0 || *d < 1 || *g < 1) return std::nullopt;
   const int64_t n = input.size(0), c = input.size(1), l = input.size(2);
   const int64_t o = weight.size(0), cg = weight.size(1), k = weight.size(2);
-  if (n <= 0 || c <= 0 || l <= 0 || o <= 0 || k <= 0 || cg * *g != c || o % *g != 0) {
+  if (n <= 0 || c <= 0 || l <= 0 || o <= 0 || k <= 0 || c % *g != 0 || cg != c / *g ||
+      o % *g != 0) {
     return std::nullopt;
   }
   if (*p > (std::numeric_limits<int32_t>::max() - l) / 2) return std::nullopt;
   const int64_t lp = l + 2 * *p;
   if (k > 1 && *d > (lp - 1) / (k - 1)) return std::nullopt;  // the taps span more than lp
+  const int64_t dil = k == 1 ? 1 : *d;  // one tap: the dilation is never used (keeps it small)
   if (bias.defined() && (bias.dim() != 1 || bias.size(0) != o)) return std::nullopt;
-  const int64_t out_length = (lp - (*d * (k - 1) + 1)) / *st + 1;
+  const int64_t out_length = (lp - (dil * (k - 1) + 1)) / *st + 1;
   if (o / *g < 16 || (cg != 1 && cg < 8) || out_length < 16) return std::nullopt;
-  return Conv1dShape{n, c, l, o, k, *st, *p, *d, *g, out_length};
+  return Conv1dShape{n, c, l, o, k, *st, *p, dil, *g, out_length};
 }
 
 at::Tensor conv1d_rounded(const Conv1dShape& s, const at::Tensor& input, const at::Tensor& weight,

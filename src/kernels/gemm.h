@@ -14,10 +14,11 @@ namespace apex::kernels::cpu {
 /// C[b] = alpha * (sum over t < terms of A[b, t] B[b, t]) + beta * S[b] for b < batch, A [m, k],
 /// B [k, n], C and S [m, n], all stored as t (bf16 or fp16), each element addressed by its strides
 /// (in elements, any sign; 0 for a broadcast dimension of S; C must not overlap the others). Each
-/// output's sum is fp32, one chain of fused multiply-adds over the terms in order and k in order
-/// (in blocks of 256), the same bits for any thread count; alpha * sum + beta * s in fp32, rounded
-/// once to nearest even. S null or beta 0: no S (NaN in it not propagated, as BLAS). m, n, k,
-/// batch, terms > 0. The terms are addbmm's batches (batch 1) or a convolution's taps.
+/// output's sum is fp32: each term's k in blocks of 256, each block one chain of fused
+/// multiply-adds in k order, the blocks' sums added in order (terms in order), the same bits for
+/// any thread count; alpha * sum + beta * s in fp32, rounded once to nearest even. S null or beta
+/// 0: no S (NaN in it not propagated, as BLAS). m, n, k, batch, terms > 0. The terms are addbmm's
+/// batches (batch 1), a convolution's taps, or the samples its weight gradient sums over.
 struct HalfGemm {
   DType t = DType::kBFloat16;
   int64_t batch = 1, terms = 1, m = 0, n = 0, k = 0;

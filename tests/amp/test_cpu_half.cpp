@@ -315,6 +315,24 @@ std::vector<Case> cases() {
          return at::conv1d(in({2, 40, 16}, 140).transpose(1, 2), in({16, 16, 5}, 141),
                            in({16}, 142), 1, 2);
        }},
+      {"conv1d of a transposed input, no padding (read in place), one sample",
+       [](const Input& in) {
+         return at::conv1d(in({1, 40, 16}, 143).transpose(1, 2), in({16, 16, 3}, 144), {}, 2);
+       }},
+      {"conv1d stride 4, dilation 2 (residues of three, two and no taps)",
+       [](const Input& in) {
+         return at::conv1d(in({2, 8, 80}, 145), in({16, 8, 5}, 146), {}, 4, at::IntArrayRef{0}, 2);
+       }},
+      {"conv1d 80 output channels (two blocks of rows), padding past the kernel's span",
+       [](const Input& in) {
+         return at::conv1d(in({4, 8, 30}, 147), in({80, 8, 3}, 148), in({80}, 149), 1, 4);
+       }},
+      {"conv1d 16 steps out; depthwise with 16 outputs per channel",
+       [](const Input& in) {
+         return at::cat(
+             {at::conv1d(in({1, 8, 18}, 161), in({16, 8, 3}, 162)).flatten(),
+              at::conv1d(in({2, 2, 50}, 163), in({32, 1, 5}, 164), {}, 1, 2, 1, 2).flatten()});
+       }},
       {"scaled_dot_product_attention",
        [](const Input& in) {
          return at::scaled_dot_product_attention(in({2, 2, 16, 8}, 32), in({2, 2, 16, 8}, 33),
@@ -724,8 +742,20 @@ TEST(CpuHalfFallback, Conv1dThroughOwnProduct) {
       at::conv1d(exact({3, 64, 17}, t, 159), exact({64, 64, 3}, t, 160));  // 15 steps out
       at::conv_transpose1d(exact({3, 64, 50}, t, 157), exact({64, 32, 3}, t, 158));
       EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls(), taken) << t;
+      // An output padding of the wrong length is LibTorch's to refuse.
+      EXPECT_ANY_THROW(at::convolution(exact({2, 16, 40}, t, 165), exact({16, 16, 3}, t, 166), {},
+                                       {1}, {0}, {1}, false, {}, 1));
     }
     for (size_t i = 0; i < got[0].size(); ++i) EXPECT_TRUE(got[0][i].equal(got[1][i])) << t << i;
+    // A gradient with zero strides (of a sum) reaches the product unpadded where one tap at
+    // stride 2 needs no padding: the input's gradient against the fp32 one.
+    const CpuHalfFallbackGuard guard;
+    const at::Tensor x = exact({2, 8, 40}, t, 167).requires_grad_();
+    const at::Tensor w = exact({16, 8, 1}, t, 168);
+    at::conv1d(x, w, {}, 2).sum().backward();
+    const at::Tensor xf = x.detach().to(at::kFloat).requires_grad_();
+    at::conv1d(xf, w.to(at::kFloat), {}, 2).sum().backward();
+    EXPECT_TRUE(rounded_once(x.grad(), xf.grad())) << t;
   }
   at::set_num_threads(threads);
 }

@@ -21,8 +21,9 @@ constexpr int64_t kPackedB = int64_t{1} << 20;
 
 int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-// Per-thread buffers, kept between calls (~4.3 MiB at most, but for a k so long that one panel of
-// B over all of k exceeds kPackedB: that one is released after its call).
+// Per-thread buffers, kept between calls (~8.3 MiB at most: B's chunk and a shared A's rows up to
+// 4 MiB each, but for a k so long that one panel of B over all of k exceeds kPackedB: that one
+// is released after its call).
 struct Buffers {
   std::vector<float> a, a_rows, b, c, s;
   static float* sized(std::vector<float>& v, int64_t n) {

@@ -146,7 +146,8 @@ struct GemmKernels {
   void (*pack_a)(const uint16_t* a, int64_t sm, int64_t sk, int64_t mc, int64_t rows_avail,
                  int64_t kc, float* out, DType t);
   /// Columns [0, nc) of B over k [0, kc) (element (l, j) at b[l * sk + j * sn]) into panels of
-  /// nr columns likewise, zero past nc.
+  /// nr columns likewise, zero past nc. Both packs may read (not use) the element between two
+  /// they use where a stride is 2 (the next one exists: a column below cols_avail, or l < kc).
   void (*pack_b)(const uint16_t* b, int64_t sk, int64_t sn, int64_t nc, int64_t cols_avail,
                  int64_t kc, float* out, DType t);
   /// c[i * ldc + j] = (c[i * ldc + j] if accumulate) + sum over l < kc of A[i, l] B[l, j], for i
