@@ -762,7 +762,7 @@ TEST(CpuHalfFallback, Conv1dThroughOwnProduct) {
 
 // NaN and infinity reach the output as in the fp32 product rounded once, on every product path:
 // widened (many rows), the vector kernels' fp32 result (few columns), their driver's rounded
-// result with and without a bias (few rows), addmv.
+// result with and without a bias (few rows), addmv, a 1-D convolution through apex's product.
 TEST(CpuHalfFallback, NonFiniteValuesPropagate) {
   const ForceAvailable force;
   for (const auto t : {at::kBFloat16, at::kHalf}) {
@@ -780,6 +780,12 @@ TEST(CpuHalfFallback, NonFiniteValuesPropagate) {
         {[&] { return at::linear(a.slice(0, 0, 6), w, bias); },
          at::linear(wide(a).slice(0, 0, 6), wide(w), wide(bias))},
         {[&] { return at::addmv(bias, w, a[2]); }, at::addmv(wide(bias), wide(w), wide(a)[2])},
+        // A 1-D convolution through the product (its weight holds the -inf).
+        {[&] {
+           return at::conv1d(a.view({2, 35, 40}), w.flatten().slice(0, 0, 1680).view({16, 35, 3}));
+         },
+         at::conv1d(wide(a).view({2, 35, 40}),
+                    wide(w).flatten().slice(0, 0, 1680).view({16, 35, 3}))},
     };
     for (size_t i = 0; i < cases.size(); ++i) {
       at::Tensor got;
