@@ -317,29 +317,32 @@ def test_cpu_half_fallback_in_place_and_out_variants(forced_fallback, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cpu_half_fallback_conv1d(forced_fallback, dtype):
     """1-D convolutions (wav2vec 2.0's feature encoder: stride 2; its grouped, padded positional
-    convolution): the route's result and gradients equal torch's fp32 ones rounded once. Values
-    multiples of 1/8, so every fp32 sum is exact in any order and the comparison is bit for bit."""
+    convolution; a vocoder's transposed upsampling): the route's result and gradients equal
+    torch's fp32 ones rounded once. Values multiples of 1/8, so every fp32 sum is exact in any
+    order and the comparison is bit for bit."""
     g = torch.Generator().manual_seed(5)
 
     def r(*shape):
         return (torch.randint(-8, 9, shape, generator=g) / 8).to(dtype)
 
+    conv, up = F.conv1d, F.conv_transpose1d
     cases = [
-        (r(3, 32, 101), r(32, 32, 3), None, dict(stride=2)),
-        (r(2, 64, 49), r(64, 16, 5), r(64), dict(padding=2, groups=4)),
-        (r(2, 1, 400), r(16, 1, 10), None, dict(stride=5)),
+        (conv, r(3, 32, 101), r(32, 32, 3), None, dict(stride=2)),
+        (conv, r(2, 64, 49), r(64, 16, 5), r(64), dict(padding=2, groups=4)),
+        (conv, r(2, 1, 400), r(16, 1, 10), None, dict(stride=5)),
+        (up, r(2, 32, 40), r(32, 16, 8), r(16), dict(stride=4, padding=2)),
     ]
     calls = torch.ops.apex_cpp._cpu_half_route_calls
-    for x, w, b, kw in cases:
+    for fn, x, w, b, kw in cases:
         leaves = [t.requires_grad_() for t in (x, w, b) if t is not None]
         refs = [t.detach().float().requires_grad_() for t in leaves]
         with amp.cpu_half_fallback():
             before = calls()
-            y = F.conv1d(*leaves, **kw)
+            y = fn(*leaves, **kw)
             assert calls() > before
             gy = r(*y.shape)
             y.backward(gy)
-        want = F.conv1d(*refs, **kw)
+        want = fn(*refs, **kw)
         want.backward(gy.float())
         assert y.dtype == dtype
         torch.testing.assert_close(y, want.to(dtype), rtol=0, atol=0)

@@ -11,6 +11,11 @@
 // those with d j = r (mod s), an arithmetic progression, and they read g at u' minus a step that
 // falls by a constant from one tap to the next (g padded with zeros at both ends for the taps that
 // reach past it). Every output element is one fp32 sum rounded once.
+//
+// A transposed convolution is the input gradient of the convolution with its channels swapped
+// (spread, below); its own input gradient that convolution (correlate), and its weight's the same
+// sums with the roles of input and output gradient swapped (weight_sums).
+
 #include "amp/cpu_half_conv1d.h"
 
 #include <ATen/ops/constant_pad_nd.h>
@@ -44,32 +49,55 @@ std::optional<Conv1dShape> conv1d_shape(const at::Tensor& input, const at::Tenso
                                         c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
                                         bool transposed, c10::SymIntArrayRef output_padding,
                                         const c10::SymInt& groups) {
-  if (transposed || input.dim() != 3 || weight.dim() != 3 || stride.size() != 1 ||
-      padding.size() != 1 || dilation.size() != 1 || output_padding.size() != 1 ||
-      output_padding[0] != 0) {
+  if (input.dim() != 3 || weight.dim() != 3 || stride.size() != 1 || padding.size() != 1 ||
+      dilation.size() != 1 || output_padding.size() != 1) {
     return std::nullopt;
   }
   const std::optional<int64_t> st = stride[0].maybe_as_int(), p = padding[0].maybe_as_int(),
-                               d = dilation[0].maybe_as_int(), g = groups.maybe_as_int();
-  if (!st || !p || !d || !g || *st < 1 || *p < 0 || *d < 1 || *g < 1) return std::nullopt;
-  const int64_t n = input.size(0), c = input.size(1), l = input.size(2);
-  const int64_t o = weight.size(0), cg = weight.size(1), k = weight.size(2);
-  if (n <= 0 || c <= 0 || l <= 0 || o <= 0 || k <= 0 || c % *g != 0 || cg != c / *g ||
-      o % *g != 0) {
+                               d = dilation[0].maybe_as_int(), g = groups.maybe_as_int(),
+                               op = output_padding[0].maybe_as_int();
+  if (!st || !p || !d || !g || !op || *st < 1 || *p < 0 || *d < 1 || *g < 1) return std::nullopt;
+  constexpr int64_t kBig = int64_t{1} << 30;  // sizes past this: LibTorch's own path
+  const int64_t n = input.size(0), c = input.size(1), l = input.size(2), k = weight.size(2);
+  if (n <= 0 || c <= 0 || l <= 0 || k <= 0 || c % *g != 0 || *st > kBig || *p > kBig || *d > kBig ||
+      l > kBig || k > kBig) {
     return std::nullopt;
   }
-  if (*p > (std::numeric_limits<int32_t>::max() - l) / 2) return std::nullopt;
-  const int64_t lp = l + 2 * *p;
-  if (k > 1 && *d > (lp - 1) / (k - 1)) return std::nullopt;  // the taps span more than lp
-  const int64_t dil = k == 1 ? 1 : *d;  // one tap: the dilation is never used (keeps it small)
-  if (bias.defined() && (bias.dim() != 1 || bias.size(0) != o)) return std::nullopt;
-  const int64_t out_length = (lp - (dil * (k - 1) + 1)) / *st + 1;
-  if (o / *g < 16 || (cg != 1 && cg < 8) || out_length < 16) return std::nullopt;
-  return Conv1dShape{n, c, l, o, k, *st, *p, dil, *g, out_length};
+  const int64_t dil = k == 1 ? 1 : *d;  // one tap: the dilation is never used
+  const int64_t span = dil * (k - 1) + 1;
+  Conv1dShape s{n, 0, 0, 0, k, *st, *p, dil, *g, 0, transposed};
+  if (!transposed) {
+    // input [N, C, L], weight [O, C / groups, K]: the product's columns are the output's steps.
+    if (*op != 0 || weight.size(1) != c / *g || weight.size(0) % *g != 0) return std::nullopt;
+    s.c_in = c;
+    s.length = l;
+    s.c_out = weight.size(0);
+    if (l + 2 * *p < span) return std::nullopt;
+    s.out_length = (l + 2 * *p - span) / *st + 1;
+  } else {
+    // input [N, C, L], weight [C, O / groups, K]: the convolution whose input gradient this is,
+    // with O input channels, an input of the output's length and L steps out.
+    if (weight.size(0) != c || *op < 0 || *op >= std::max(*st, dil)) return std::nullopt;
+    s.c_in = weight.size(1) * *g;
+    s.c_out = c;
+    s.length = (l - 1) * *st - 2 * *p + span + *op;
+    s.out_length = l;
+    if (s.length <= 0) return std::nullopt;
+  }
+  const int64_t out_channels = transposed ? s.c_in : s.c_out;
+  if (bias.defined() && (bias.dim() != 1 || bias.size(0) != out_channels)) return std::nullopt;
+  // Rows to fill: 16+ channels per group on the product's m side, 8+ (or one, as k) on its k
+  // side; 16+ steps out of the convolution (in the transposed case, its input's length).
+  const int64_t og = s.c_out / *g, cg = s.c_in / *g;
+  if (og < 16 || (cg < 8 && !(cg == 1 && !transposed)) || s.out_length < 16) return std::nullopt;
+  return s;
 }
 
-at::Tensor conv1d_rounded(const Conv1dShape& s, const at::Tensor& input, const at::Tensor& weight,
-                          const at::Tensor& bias) {
+namespace {
+
+// The convolution of s on x [N, c_in, length]: [N, c_out, out_length], plus the bias if defined.
+at::Tensor correlate(const Conv1dShape& s, const at::Tensor& input, const at::Tensor& weight,
+                     const at::Tensor& bias) {
   const at::Tensor x = padded(input, s.padding, s.padding);
   at::Tensor out = at::empty({s.n, s.c_out, s.out_length}, input.options());
   const int64_t cg = s.c_in / s.groups, og = s.c_out / s.groups;
@@ -110,11 +138,11 @@ at::Tensor conv1d_rounded(const Conv1dShape& s, const at::Tensor& input, const a
   return out;
 }
 
-namespace {
-
-at::Tensor input_grad(const Conv1dShape& s, const at::Tensor& grad, const at::Tensor& input,
-                      const at::Tensor& weight) {
-  at::Tensor gx = at::empty({s.n, s.c_in, s.length}, input.options());
+// Its transpose on y [N, c_out, out_length] (the input's gradient for y the output's):
+// [N, c_in, length], plus the bias if defined.
+at::Tensor spread(const Conv1dShape& s, const at::Tensor& grad, const at::Tensor& weight,
+                  const at::Tensor& bias) {
+  at::Tensor gx = at::empty({s.n, s.c_in, s.length}, grad.options());
   const int64_t cg = s.c_in / s.groups, og = s.c_out / s.groups;
   // Tap j reads g at u' - o_j, o_j = floor(d j / s) <= lead; u' runs up to ceil(lp / s).
   const int64_t lead = s.dilation * (s.taps - 1) / s.stride;
@@ -134,15 +162,16 @@ at::Tensor input_grad(const Conv1dShape& s, const at::Tensor& grad, const at::Te
     const int64_t first = r + s.stride * u0 - s.padding;  // in gx
     int64_t j0 = 0;
     while (j0 < s.taps && s.dilation * j0 % s.stride != r) ++j0;
-    if (j0 == s.taps) {  // no tap lands here: zero
-      gx.slice(2, first, first + s.stride * (cols - 1) + 1, s.stride).zero_();
+    if (j0 == s.taps) {  // no tap lands here: zero, or the bias
+      at::Tensor part = gx.slice(2, first, first + s.stride * (cols - 1) + 1, s.stride);
+      bias.defined() ? part.copy_(bias.view({1, -1, 1}).expand_as(part)) : part.zero_();
       continue;
     }
     const int64_t count = (s.taps - 1 - j0) / step + 1;
     const int64_t o0 = (s.dilation * j0 - r) / s.stride;
     for (int64_t gi = 0; gi < s.groups; ++gi) {
       kernels::cpu::HalfGemm g;
-      g.t = bridge::kernel_dtype(input, "conv1d backward");
+      g.t = bridge::kernel_dtype(grad, "conv1d");
       g.batch = s.n;
       g.terms = count;
       g.m = cg;
@@ -161,20 +190,28 @@ at::Tensor input_grad(const Conv1dShape& s, const at::Tensor& grad, const at::Te
       g.c_b = gx.stride(0);
       g.c_m = gx.stride(1);
       g.c_n = s.stride * gx.stride(2);
+      if (bias.defined()) {
+        g.s = bits(bias) + gi * cg * bias.stride(0);
+        g.s_m = bias.stride(0);
+        g.beta = 1.0f;
+      }
       kernels::cpu::half_gemm(g);
     }
   }
   return gx;
 }
 
-at::Tensor weight_grad(const Conv1dShape& s, const at::Tensor& grad, const at::Tensor& input,
+// The weight's gradient for y [N, c_out, out_length] the output's gradient and x [N, c_in,
+// length] the input: [c_out, c_in / groups, K] (weight's layout for a convolution; a transposed
+// one's weight [c_out, c_in / groups, K] alike, with the roles of its input and output swapped).
+at::Tensor weight_sums(const Conv1dShape& s, const at::Tensor& grad, const at::Tensor& input,
                        const at::Tensor& weight) {
   const int64_t cg = s.c_in / s.groups, og = s.c_out / s.groups;
   at::Tensor gw = at::empty({s.c_out, cg, s.taps}, weight.options());
   const at::Tensor x = padded(input, s.padding, s.padding);
   for (int64_t gi = 0; gi < s.groups; ++gi) {
     kernels::cpu::HalfGemm g;
-    g.t = bridge::kernel_dtype(input, "conv1d backward");
+    g.t = bridge::kernel_dtype(input, "conv1d");
     g.terms = s.n;
     g.m = og;
     g.k = s.out_length;
@@ -206,16 +243,28 @@ at::Tensor weight_grad(const Conv1dShape& s, const at::Tensor& grad, const at::T
 
 }  // namespace
 
+at::Tensor conv1d_rounded(const Conv1dShape& s, const at::Tensor& input, const at::Tensor& weight,
+                          const at::Tensor& bias) {
+  return s.transposed ? spread(s, input, weight, bias) : correlate(s, input, weight, bias);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> conv1d_backward_rounded(
     const Conv1dShape& s, const at::Tensor& grad_output, const at::Tensor& input,
     const at::Tensor& weight, std::array<bool, 3> mask) {
-  TORCH_CHECK(grad_output.dim() == 3 && grad_output.size(0) == s.n &&
-                  grad_output.size(1) == s.c_out && grad_output.size(2) == s.out_length,
-              "apex conv1d backward: expected a gradient of sizes [", s.n, ", ", s.c_out, ", ",
-              s.out_length, "], got ", grad_output.sizes());
+  const int64_t c = s.transposed ? s.c_in : s.c_out;
+  const int64_t l = s.transposed ? s.length : s.out_length;
+  TORCH_CHECK(grad_output.dim() == 3 && grad_output.size(0) == s.n && grad_output.size(1) == c &&
+                  grad_output.size(2) == l,
+              "apex conv1d backward: expected a gradient of sizes [", s.n, ", ", c, ", ", l,
+              "], got ", grad_output.sizes());
   at::Tensor gx, gw, gb;
-  if (mask[0]) gx = input_grad(s, grad_output, input, weight);
-  if (mask[1]) gw = weight_grad(s, grad_output, input, weight);
+  if (s.transposed) {  // the input's gradient is the convolution; the weight's, roles swapped
+    if (mask[0]) gx = correlate(s, grad_output, weight, at::Tensor());
+    if (mask[1]) gw = weight_sums(s, input, grad_output, weight);
+  } else {
+    if (mask[0]) gx = spread(s, grad_output, weight, at::Tensor());
+    if (mask[1]) gw = weight_sums(s, grad_output, input, weight);
+  }
   if (mask[2]) gb = at::sum(grad_output, {0, 2}, false, at::kFloat).to(grad_output.scalar_type());
   return {gx, gw, gb};
 }

@@ -12,24 +12,29 @@
 
 namespace apex::amp::detail {
 
-/// Sizes of a 1-D convolution the product takes.
+/// Sizes of a 1-D convolution the product takes, as the non-transposed convolution: input
+/// [n, c_in, length], output [n, c_out, out_length]. A transposed one is that convolution's input
+/// gradient: its input is [n, c_out, out_length] and its output [n, c_in, length].
 struct Conv1dShape {
   int64_t n, c_in, length, c_out, taps, stride, padding, dilation, groups, out_length;
+  bool transposed;
 };
 
-/// The shape where `input` [N, C, L] and `weight` [O, C / groups, K] (non-transposed, one
-/// stride, padding, dilation and a zero output padding, positive sizes, a bias of O or none) make a
-/// convolution the product does well: at least 16 output channels per group, 8 or more input
-/// channels per group or a single one (then the taps are the product's k), an output of 16 or more
-/// steps (shorter ones: widening + oneDNN was faster, measured). Otherwise empty, including every
-/// case LibTorch refuses.
+/// The shape where `input` [N, C, L] and `weight` ([O, C / groups, K], or [C, O / groups, K]
+/// transposed; one stride, padding, dilation and output padding; positive sizes; a bias of the
+/// output's channels or none) make a convolution the product does well: at least 16 channels per
+/// group on the product's row side (the convolution's output channels), 8 or more on its k side
+/// (or, not transposed, a single input channel: then the taps are k), and 16 or more steps out
+/// of the convolution (shorter ones: widening + oneDNN was faster, measured). Otherwise empty,
+/// including every case LibTorch refuses.
 std::optional<Conv1dShape> conv1d_shape(const at::Tensor& input, const at::Tensor& weight,
                                         const at::Tensor& bias, c10::SymIntArrayRef stride,
                                         c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
                                         bool transposed, c10::SymIntArrayRef output_padding,
                                         const c10::SymInt& groups);
 
-/// The convolution (bias added in fp32 before the one rounding), [N, O, L_out] contiguous.
+/// The convolution, or the transposed one (bias added in fp32 before the one rounding),
+/// contiguous.
 at::Tensor conv1d_rounded(const Conv1dShape& s, const at::Tensor& input, const at::Tensor& weight,
                           const at::Tensor& bias);
 

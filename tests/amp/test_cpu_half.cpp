@@ -327,6 +327,19 @@ std::vector<Case> cases() {
        [](const Input& in) {
          return at::conv1d(in({4, 8, 30}, 147), in({80, 8, 3}, 148), in({80}, 149), 1, 4);
        }},
+      {"conv_transpose1d stride 2, padding 1, bias",
+       [](const Input& in) {
+         return at::conv_transpose1d(in({2, 16, 20}, 170), in({16, 8, 4}, 171), in({8}, 172), 2, 1);
+       }},
+      {"conv_transpose1d stride 3, dilation 2, output padding 1, 2 groups, bias",
+       [](const Input& in) {
+         return at::conv_transpose1d(in({2, 32, 17}, 173), in({32, 8, 3}, 174), in({16}, 178), 3, 2,
+                                     1, 2, 2);
+       }},
+      {"conv_transpose1d stride 4, two taps (steps no tap reaches: the bias)",
+       [](const Input& in) {
+         return at::conv_transpose1d(in({2, 16, 20}, 175), in({16, 8, 2}, 176), in({8}, 177), 4);
+       }},
       {"conv1d 16 steps out; depthwise with 16 outputs per channel",
        [](const Input& in) {
          return at::cat(
@@ -719,7 +732,7 @@ TEST(CpuHalfFallback, OwnProductDoesNotDependOnThreadsOrSplit) {
 
 // The 1-D convolutions the product takes: counted as its calls (forward, and backward once for
 // all gradients), the same bits for 1 and 4 threads; those it does not take (too few channels,
-// too short an output, transposed) widened.
+// too short an output) widened.
 TEST(CpuHalfFallback, Conv1dThroughOwnProduct) {
   const ForceAvailable force;
   const bool own = apex::amp::detail::cpu_half_own_gemm();
@@ -739,9 +752,11 @@ TEST(CpuHalfFallback, Conv1dThroughOwnProduct) {
       const uint64_t taken = apex::amp::detail::cpu_half_gemm_calls();
       at::conv1d(exact({3, 64, 50}, t, 153), exact({8, 64, 3}, t, 154));
       at::conv1d(exact({3, 4, 50}, t, 155), exact({32, 4, 3}, t, 156));
-      at::conv1d(exact({3, 64, 17}, t, 159), exact({64, 64, 3}, t, 160));  // 15 steps out
-      at::conv_transpose1d(exact({3, 64, 50}, t, 157), exact({64, 32, 3}, t, 158));
+      at::conv1d(exact({3, 64, 17}, t, 159), exact({64, 64, 3}, t, 160));           // 15 steps out
+      at::conv_transpose1d(exact({3, 64, 50}, t, 157), exact({64, 4, 3}, t, 158));  // 4 out
       EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls(), taken) << t;
+      at::conv_transpose1d(exact({3, 64, 50}, t, 157), exact({64, 32, 3}, t, 158), {}, 2);
+      EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls(), taken + (own ? 1 : 0)) << t;
       // An output padding of the wrong length is LibTorch's to refuse.
       EXPECT_ANY_THROW(at::convolution(exact({2, 16, 40}, t, 165), exact({16, 16, 3}, t, 166), {},
                                        {1}, {0}, {1}, false, {}, 1));
