@@ -435,6 +435,44 @@ at::Tensor& add_(at::Tensor& self, const at::Tensor& other, const at::Scalar& al
 // Convolutions: 1-D ones with enough channels through apex's own product (cpu_half_conv1d.h;
 // wav2vec 2.0's feature encoder and positional convolution), the others widened around LibTorch's
 // fp32 kernels (oneDNN's).
+//
+// A 1x1 2-D convolution with stride 1 and no padding (a bottleneck's, a pointwise one) on an
+// NCHW input whose height and width are one run of memory is that 1-D convolution of kernel 1
+// over H * W steps: its input and weight as 3-D views (channels-last inputs keep LibTorch's
+// path, whose output is channels-last too).
+struct Pointwise {
+  at::Tensor input, weight;
+  detail::Conv1dShape shape;
+};
+
+std::optional<Pointwise> pointwise(const at::Tensor& input, const at::Tensor& weight,
+                                   const at::Tensor& bias, c10::SymIntArrayRef stride,
+                                   c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
+                                   bool transposed, c10::SymIntArrayRef output_padding,
+                                   const c10::SymInt& groups) {
+  // (conv2d passes one value for both dimensions as it was given; LibTorch expands it later.)
+  const auto all = [](c10::SymIntArrayRef v, int64_t x) {
+    return (v.size() == 1 || v.size() == 2) &&
+           std::all_of(v.begin(), v.end(), [x](const c10::SymInt& e) { return e == x; });
+  };
+  if (transposed || input.dim() != 4 || weight.dim() != 4 || weight.size(2) != 1 ||
+      weight.size(3) != 1 || !all(stride, 1) || !all(padding, 0) || dilation.empty() ||
+      dilation.size() > 2 || !all(output_padding, 0) ||
+      input.suggest_memory_format() != at::MemoryFormat::Contiguous ||
+      input.stride(2) != input.size(3) * input.stride(3)) {
+    return std::nullopt;
+  }
+  Pointwise p{input.view({input.size(0), input.size(1), input.size(2) * input.size(3)}),
+              weight.view({weight.size(0), weight.size(1), 1}),
+              {}};
+  const c10::SymInt one(1), zero(0);
+  const auto shape = detail::conv1d_shape(p.input, p.weight, bias, {&one, 1}, {&zero, 1}, {&one, 1},
+                                          false, {&zero, 1}, groups);
+  if (!shape) return std::nullopt;
+  p.shape = *shape;
+  return p;
+}
+
 at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
                        c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool transposed,
@@ -449,6 +487,12 @@ at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight,
                                             output_padding, groups)) {
       ++gemm_calls;
       return detail::conv1d_rounded(*s, input, weight, b);
+    }
+    if (const auto p = pointwise(input, weight, b, stride, padding, dilation, transposed,
+                                 output_padding, groups)) {
+      ++gemm_calls;
+      return detail::conv1d_rounded(p->shape, p->input, p->weight, b)
+          .view({input.size(0), weight.size(0), input.size(2), input.size(3)});
     }
   }
   const std::optional<at::Tensor> wb = b.defined() ? std::optional<at::Tensor>(wide(b)) : bias;
@@ -473,6 +517,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
                                             transposed, output_padding, groups)) {
       ++gemm_calls;
       return detail::conv1d_backward_rounded(*s, grad_output, input, weight, output_mask);
+    }
+    if (const auto p = pointwise(input, weight, at::Tensor(), stride, padding, dilation, transposed,
+                                 output_padding, groups);
+        p && grad_output.dim() == 4) {
+      ++gemm_calls;
+      auto [gi, gw, gb] = detail::conv1d_backward_rounded(
+          p->shape, grad_output.reshape({grad_output.size(0), grad_output.size(1), -1}), p->input,
+          p->weight, output_mask);
+      return {gi.defined() ? gi.view(input.sizes()) : gi,
+              gw.defined() ? gw.view(weight.sizes()) : gw, gb};
     }
   }
   auto [gi, gw, gb] = at::compositeexplicitautograd::convolution_backward_symint(

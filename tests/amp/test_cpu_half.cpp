@@ -340,6 +340,11 @@ std::vector<Case> cases() {
        [](const Input& in) {
          return at::conv_transpose1d(in({2, 16, 20}, 175), in({16, 8, 2}, 176), in({8}, 177), 4);
        }},
+      {"conv2d 1x1 (pointwise), 2 groups, bias: a 1-D convolution over H * W",
+       [](const Input& in) {
+         return at::conv2d(in({2, 16, 5, 6}, 179), in({32, 8, 1, 1}, 180), in({32}, 181), 1,
+                           at::IntArrayRef{0}, 1, 2);
+       }},
       {"conv1d 16 steps out; depthwise with 16 outputs per channel",
        [](const Input& in) {
          return at::cat(
@@ -757,6 +762,17 @@ TEST(CpuHalfFallback, Conv1dThroughOwnProduct) {
       EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls(), taken) << t;
       at::conv_transpose1d(exact({3, 64, 50}, t, 157), exact({64, 32, 3}, t, 158), {}, 2);
       EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls(), taken + (own ? 1 : 0)) << t;
+      // 1x1 2-D: NCHW taken; channels-last, stride 2, padded: LibTorch's kernels on fp32.
+      const at::Tensor img = exact({2, 32, 8, 8}, t, 182), pw = exact({32, 32, 1, 1}, t, 183);
+      const at::Tensor pw_leaf = pw.clone().requires_grad_();
+      at::conv2d(img, pw_leaf).backward(exact({2, 32, 8, 8}, t, 184));
+      EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls(), taken + (own ? 3 : 0)) << t;
+      EXPECT_EQ(pw_leaf.grad().sizes(), pw.sizes()) << t;
+      const at::Tensor cl = at::conv2d(img.contiguous(at::MemoryFormat::ChannelsLast), pw);
+      EXPECT_TRUE(cl.is_contiguous(at::MemoryFormat::ChannelsLast)) << t;
+      at::conv2d(img, pw, {}, 2);
+      at::conv2d(img, pw, {}, 1, 1);
+      EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls(), taken + (own ? 3 : 0)) << t;
       // An output padding of the wrong length is LibTorch's to refuse.
       EXPECT_ANY_THROW(at::convolution(exact({2, 16, 40}, t, 165), exact({16, 16, 3}, t, 166), {},
                                        {1}, {0}, {1}, false, {}, 1));
