@@ -317,9 +317,9 @@ def test_cpu_half_fallback_in_place_and_out_variants(forced_fallback, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cpu_half_fallback_conv1d(forced_fallback, dtype):
     """1-D convolutions (wav2vec 2.0's feature encoder: stride 2; its grouped, padded positional
-    convolution; a vocoder's transposed upsampling): the route's result and gradients equal
-    torch's fp32 ones rounded once. Values multiples of 1/8, so every fp32 sum is exact in any
-    order and the comparison is bit for bit."""
+    convolution; a vocoder's transposed upsampling; a 1x1 2-D one): the route's result and
+    gradients equal torch's fp32 ones rounded once. Values multiples of 1/8, so every fp32 sum is
+    exact in any order and the comparison is bit for bit."""
     g = torch.Generator().manual_seed(5)
 
     def r(*shape):
@@ -331,6 +331,7 @@ def test_cpu_half_fallback_conv1d(forced_fallback, dtype):
         (conv, r(2, 64, 49), r(64, 16, 5), r(64), dict(padding=2, groups=4)),
         (conv, r(2, 1, 400), r(16, 1, 10), None, dict(stride=5)),
         (up, r(2, 32, 40), r(32, 16, 8), r(16), dict(stride=4, padding=2)),
+        (F.conv2d, r(2, 32, 6, 6), r(32, 32, 1, 1), r(32), {}),  # 1x1: over H * W
     ]
     calls = torch.ops.apex_cpp._cpu_half_route_calls
     for fn, x, w, b, kw in cases:
