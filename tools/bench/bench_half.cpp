@@ -80,6 +80,20 @@ std::vector<Case> cases() {
          return fwd_bwd({x, w}, input({64, 64, 399}, t, 12),
                         [=] { return at::conv1d(x, w, {}, 2); });
        }},
+      {"conv_t1d", "conv_transpose1d k4 s2 16x128x512, fwd+bwd", both,
+       3 * 2.0 * 16 * 128 * 512 * 64 * 4,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({16, 128, 512}, t, 75, true);
+         const at::Tensor w = input({128, 64, 4}, t, 76, true);
+         return fwd_bwd({x, w}, input({16, 64, 1024}, t, 77),
+                        [=] { return at::conv_transpose1d(x, w, {}, 2, 1); });
+       }},
+      {"conv1x1", "conv2d 1x1 8x256x56x56 -> 64, fwd+bwd", both, 3 * 2.0 * 8 * 56 * 56 * 256 * 64,
+       [](at::ScalarType t) {
+         const at::Tensor x = input({8, 256, 56, 56}, t, 78, true);
+         const at::Tensor w = input({64, 256, 1, 1}, t, 79, true);
+         return fwd_bwd({x, w}, input({8, 64, 56, 56}, t, 80), [=] { return at::conv2d(x, w); });
+       }},
       {"sdpa", "attention 64x4x64x64 (flash), fwd+bwd", both, 3 * 4.0 * 64 * 4 * 64 * 64 * 64,
        [](at::ScalarType t) {
          const at::Tensor q = input({64, 4, 64, 64}, t, 13, true);

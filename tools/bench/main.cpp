@@ -47,7 +47,8 @@ void usage(std::FILE* out) {
       "                      and of the per-round ratios to O0 (default 1)\n"
       "  --only NAME         only this model (optim: resnet50, bert; train: transformer, resnet),\n"
       "                      shape (norm: 4096x1024) or op (half: mm, linear, conv2d, conv1d,\n"
-      "                      sdpa, addbmm, mm_out, conv_tbc, addmv, rnn, linear16, linear1,\n"
+      "                      conv_t1d, conv1x1, sdpa, addbmm, mm_out, conv_tbc, addmv, rnn, "
+      "linear16, linear1,\n"
       "                      lstm_cell, gru_cell, batch_norm, relu_add, mean, group_norm,\n"
       "                      softmax, silu, gelu); repeatable\n"
       "  --json FILE         also write the results as JSON to FILE (default: none)\n");
