@@ -77,7 +77,7 @@ std::optional<Conv1dShape> conv1d_shape(const at::Tensor& input, const at::Tenso
   } else {
     // input [N, C, L], weight [C, O / groups, K]: the convolution whose input gradient this is,
     // with O input channels, an input of the output's length and L steps out.
-    if (weight.size(0) != c || *op < 0 || *op >= std::max(*st, dil)) return std::nullopt;
+    if (weight.size(0) != c || *op < 0 || *op >= std::max(*st, *d)) return std::nullopt;
     s.c_in = weight.size(1) * *g;
     s.c_out = c;
     s.length = (l - 1) * *st - 2 * *p + span + *op;

@@ -336,6 +336,11 @@ std::vector<Case> cases() {
          return at::conv_transpose1d(in({2, 32, 17}, 173), in({32, 8, 3}, 174), in({16}, 178), 3, 2,
                                      1, 2, 2);
        }},
+      {"conv_transpose1d one tap, dilation 3, output padding 2 (LibTorch allows it below the "
+       "dilation)",
+       [](const Input& in) {
+         return at::conv_transpose1d(in({2, 16, 20}, 185), in({16, 8, 1}, 186), {}, 1, 0, 2, 1, 3);
+       }},
       {"conv_transpose1d stride 4, two taps (steps no tap reaches: the bias)",
        [](const Input& in) {
          return at::conv_transpose1d(in({2, 16, 20}, 175), in({16, 8, 2}, 176), in({8}, 177), 4);
