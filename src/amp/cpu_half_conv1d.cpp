@@ -42,6 +42,22 @@ at::Tensor padded(const at::Tensor& x, int64_t left, int64_t right) {
   return left > 0 || right > 0 ? at::constant_pad_nd(x, {left, right}) : x;
 }
 
+// The product's output: out [N, C, L] from channel c0 and step t0 on, every `step`-th step.
+void set_output(kernels::cpu::HalfGemm& g, at::Tensor& out, int64_t c0, int64_t t0, int64_t step) {
+  g.c = bits_mut(out) + c0 * out.stride(1) + t0 * out.stride(2);
+  g.c_b = out.stride(0);
+  g.c_m = out.stride(1);
+  g.c_n = step * out.stride(2);
+}
+
+// The bias from channel c0 on, added to every step (if defined).
+void add_bias(kernels::cpu::HalfGemm& g, const at::Tensor& bias, int64_t c0) {
+  if (!bias.defined()) return;
+  g.s = bits(bias) + c0 * bias.stride(0);
+  g.s_m = bias.stride(0);
+  g.beta = 1.0f;
+}
+
 }  // namespace
 
 std::optional<Conv1dShape> conv1d_shape(const at::Tensor& input, const at::Tensor& weight,
@@ -124,15 +140,8 @@ at::Tensor correlate(const Conv1dShape& s, const at::Tensor& input, const at::Te
       g.b_k = x.stride(1);
       g.b_t = s.dilation * x.stride(2);
     }
-    g.c = bits_mut(out) + gi * og * out.stride(1);
-    g.c_b = out.stride(0);
-    g.c_m = out.stride(1);
-    g.c_n = out.stride(2);
-    if (bias.defined()) {
-      g.s = bits(bias) + gi * og * bias.stride(0);
-      g.s_m = bias.stride(0);
-      g.beta = 1.0f;
-    }
+    set_output(g, out, gi * og, 0, 1);
+    add_bias(g, bias, gi * og);
     kernels::cpu::half_gemm(g);
   }
   return out;
@@ -186,15 +195,8 @@ at::Tensor spread(const Conv1dShape& s, const at::Tensor& grad, const at::Tensor
       g.b_k = gp.stride(1);
       g.b_n = gp.stride(2);
       g.b_t = -o_step * gp.stride(2);
-      g.c = bits_mut(gx) + gi * cg * gx.stride(1) + first * gx.stride(2);
-      g.c_b = gx.stride(0);
-      g.c_m = gx.stride(1);
-      g.c_n = s.stride * gx.stride(2);
-      if (bias.defined()) {
-        g.s = bits(bias) + gi * cg * bias.stride(0);
-        g.s_m = bias.stride(0);
-        g.beta = 1.0f;
-      }
+      set_output(g, gx, gi * cg, first, s.stride);
+      add_bias(g, bias, gi * cg);
       kernels::cpu::half_gemm(g);
     }
   }
