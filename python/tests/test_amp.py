@@ -543,11 +543,14 @@ def test_bench_amp_area_runs():
     assert json.dumps(rows)
 
 
-def _run_fresh(script):
-    """script in a new process (the route's kernels and GELU tables are set up once per process)."""
+def _run_fresh(script, **env):
+    """script in a new process (the route's kernels and GELU tables are set up once per process),
+    with `env` added to this one's environment."""
+    import os
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **env})
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
 
@@ -569,6 +572,33 @@ amp.initialize(torch.nn.Linear(4, 4), opt_level="O1", verbosity=0)
 print(before, after_o0, ours())
 """)
     assert out.split() == ["False", "False", "True"]
+
+
+@pytest.mark.regular_ops
+@pytest.mark.parametrize("limit", ["AVX2", "AVX512_CORE"])
+def test_cpu_half_route_follows_onednn_isa_limit(limit):
+    """torch sends bf16 matmuls to oneDNN on AVX-512 CPUs even when ONEDNN_MAX_CPU_ISA holds it
+    to AVX2, where it multiplies them tens of times slower than fp32, or to AVX512_CORE, where it
+    emulates bf16 below fp32's speed (as on Skylake to Ice Lake servers): the route is decided on
+    then (on every CPU the route has kernels for), and O1 takes it."""
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    if not {"avx2", "fma", "f16c"} <= flags:
+        pytest.skip("the route's kernels need AVX2, FMA and F16C")
+    if "APEX_CPU_HALF_FALLBACK" in __import__("os").environ:
+        pytest.skip("APEX_CPU_HALF_FALLBACK set: the decision is forced")
+    out = _run_fresh("""
+import torch
+from apex import amp
+ours = lambda: "cpu_half.cpp" in torch._C._dispatch_dump("aten::mm")
+amp.initialize(torch.nn.Linear(4, 4), opt_level="O1", verbosity=0)
+print(amp.cpu_half_fallback_available(torch.bfloat16), ours())
+""", ONEDNN_MAX_CPU_ISA=limit)
+    assert out.split() == ["True", "True"]
 
 
 @pytest.mark.regular_ops

@@ -418,9 +418,10 @@ void ScaledLoss::finish() {
 namespace {
 
 // O1-O3 on a CPU without bf16/fp16 matrix instructions: LibTorch multiplies the half dtype in a
-// scalar loop there (1.1 GFLOP/s against 63 for fp32 on an AVX2 Zen 3). apex computes those
-// matmuls through fp32 instead (cpu_half.h); only with that turned off does the step run tens of
-// times slower than at O0, and each such initialize says so. Decided from the CPU's features.
+// scalar loop there (1.1 GFLOP/s against 63 for fp32 on an AVX2 Zen 3), or through oneDNN's
+// emulation (AVX-512 without AVX512-BF16: below fp32's speed). apex computes those matmuls
+// through fp32 instead (cpu_half.h); only with that turned off is the step slower than at O0,
+// and each such initialize says so. Decided from the CPU's features.
 void warn_if_half_matmuls_are_slow(const detail::AmpState& st) {
   const auto& p = st.props;
   const bool cast = p.cast_model_type && *p.cast_model_type != at::kFloat;
@@ -432,11 +433,12 @@ void warn_if_half_matmuls_are_slow(const detail::AmpState& st) {
   if (!on_cpu) return;
   const c10::ScalarType t = cast ? *p.cast_model_type : p.half_dtype;
   if (!cpu_half_matmul_is_fast(t) && !cpu_half_fallback_available(t)) {
+    const bool scalar = cpu_half_matmul_kind(t) == CpuHalfMatmul::kScalar;
     TORCH_WARN("apex::amp: ", to_string(p.opt_level), " computes matmuls in ", t,
-               ", which LibTorch multiplies in a scalar loop on this CPU (it has fast ones only "
-               "with AVX-512, AVX512-BF16, AVX512-FP16 or AMX), and APEX_CPU_HALF_FALLBACK=0 "
-               "turns off apex's fp32 route for them, so training will be tens of times slower "
-               "than at O0 here");
+               ", which LibTorch multiplies ", cpu_half_matmul_slow_reason(t),
+               ", and APEX_CPU_HALF_FALLBACK=0 turns off apex's fp32 route for them, so training "
+               "will be ",
+               scalar ? "tens of times slower than at O0 here" : "slower than at O0 here");
   }
 }
 

@@ -56,8 +56,10 @@ thread_local uint64_t route_calls = 0;  // calls the route took in this thread (
 thread_local uint64_t gemm_calls = 0;   // of them, apex's own product (tests)
 std::atomic<int> forced{-1};            // -1: decide; 0/1: tests' choice
 
-// Per dtype: a CPU can be fast in one and slow in the other (AVX-512 without AVX512-FP16, as
-// AMD Zen 4/5 and Intel before Sapphire Rapids: bf16 through oneDNN, fp16 in a scalar loop).
+// Per dtype: a CPU can be fast in one and slow in the other (AVX512-BF16 without AVX512-FP16, as
+// AMD Zen 4/5 and Intel Cooper Lake: bf16 through oneDNN, fp16 in a scalar loop). Intel's
+// AVX-512 servers before them (Skylake to Ice Lake) take both: oneDNN's bf16 emulation there is
+// slower than fp32 (utils.h, CpuHalfMatmul::kEmulated).
 bool decide(at::ScalarType dtype) {
   // "0" turns it off, "1" on even where LibTorch's half path is fast (to compare or profile it
   // there); anything else: decided from the CPU.

@@ -16,7 +16,9 @@
 #include <ATen/Context.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -100,26 +102,132 @@ CpuHalfSupport detect() {
 CpuHalfSupport detect() { return {}; }
 #endif
 
+// oneDNN's own reading: ONEDNN_MAX_CPU_ISA, else the older DNNL_MAX_CPU_ISA; a name it does not
+// know leaves it unlimited.
+OnednnIsa onednn_limit_from_env() {
+  const char* value = std::getenv("ONEDNN_MAX_CPU_ISA");
+  if (value == nullptr) value = std::getenv("DNNL_MAX_CPU_ISA");
+  if (value == nullptr) return OnednnIsa::kAll;
+  return onednn_isa_from_name(value).value_or(OnednnIsa::kAll);
+}
+
 }  // namespace
+
+std::optional<OnednnIsa> onednn_isa_from_name(std::string_view name) {
+  static constexpr std::pair<std::string_view, OnednnIsa> kNames[] = {
+      {"SSE41", OnednnIsa::kSse41},
+      {"AVX", OnednnIsa::kAvx},
+      {"AVX2", OnednnIsa::kAvx2},
+      {"AVX2_VNNI", OnednnIsa::kAvx2Vnni},
+      {"AVX2_VNNI_2", OnednnIsa::kAvx2Vnni2},
+      {"AVX512_CORE", OnednnIsa::kAvx512Core},
+      {"AVX512_CORE_VNNI", OnednnIsa::kAvx512CoreVnni},
+      {"AVX512_CORE_BF16", OnednnIsa::kAvx512CoreBf16},
+      {"AVX512_CORE_FP16", OnednnIsa::kAvx512CoreFp16},
+      {"AVX10_1_512", OnednnIsa::kAvx512CoreFp16},
+      {"AVX512_CORE_AMX", OnednnIsa::kAvx512CoreAmx},
+      {"AVX10_1_512_AMX", OnednnIsa::kAvx512CoreAmx},
+      {"AVX512_CORE_AMX_FP16", OnednnIsa::kAvx512CoreAmxFp16},
+      {"AVX10_1_512_AMX_FP16", OnednnIsa::kAvx512CoreAmxFp16},
+      {"DEFAULT", OnednnIsa::kAll},
+      {"ALL", OnednnIsa::kAll},
+  };
+  const auto same = [](std::string_view a, std::string_view b) {
+    return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+             return std::toupper(static_cast<unsigned char>(x)) == y;
+           });
+  };
+  for (const auto& [known, isa] : kNames) {
+    if (same(name, known)) return isa;
+  }
+  return std::nullopt;
+}
+
+bool onednn_isa_allows(OnednnIsa limit, OnednnIsa isa) {
+  using I = OnednnIsa;
+  if (limit == I::kAll || isa == limit) return true;
+  // Two chains that share the sets up to AVX2 (and AVX2_VNNI below AVX10.1/512): the AVX2 one
+  // with VNNI and the AVX-NE-CONVERT set, and the AVX-512 one.
+  const auto rank = [](I x) { return static_cast<int>(x); };
+  const bool limit_avx512 = rank(limit) >= rank(I::kAvx512Core);
+  const bool isa_avx512 = rank(isa) >= rank(I::kAvx512Core);
+  if (isa == I::kAll) return false;
+  if (limit_avx512 && isa_avx512) return rank(isa) < rank(limit);
+  if (!limit_avx512 && !isa_avx512) return rank(isa) < rank(limit);
+  if (isa_avx512) return false;  // an AVX2-chain limit excludes every AVX-512 set
+  // An AVX-512 limit and an AVX2-chain set: up to AVX2 always, AVX2_VNNI from AVX10.1/512 on,
+  // AVX2_VNNI_2 never.
+  if (rank(isa) <= rank(I::kAvx2)) return true;
+  if (isa == I::kAvx2Vnni) return rank(limit) >= rank(I::kAvx512CoreFp16);
+  return false;
+}
 
 const CpuHalfSupport& cpu_half_support() {
   static const CpuHalfSupport support = [] {
     CpuHalfSupport s = detect();
     s.onednn = at::hasMKLDNN() && at::globalContext().userEnabledMkldnn();
+    s.onednn_max_isa = onednn_limit_from_env();
     return s;
   }();
   return support;
 }
 
-bool cpu_half_matmul_is_fast(c10::ScalarType dtype) {
+CpuHalfMatmul cpu_half_matmul_kind(c10::ScalarType dtype, const CpuHalfSupport& s) {
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
               "apex::amp::cpu_half_matmul_is_fast: expected Half or BFloat16, got ", dtype);
-  const CpuHalfSupport& s = cpu_half_support();
-  if (!s.onednn) return false;
+  if (!s.onednn) return CpuHalfMatmul::kScalar;
+  const auto allowed = [&](OnednnIsa isa) { return onednn_isa_allows(s.onednn_max_isa, isa); };
+  const bool ne_convert = s.avx_ne_convert && allowed(OnednnIsa::kAvx2Vnni2);
   if (dtype == at::kBFloat16) {
-    return s.avx512_core || s.avx512_bf16 || s.amx_bf16 || s.avx_ne_convert;
+    if ((s.avx512_bf16 && allowed(OnednnIsa::kAvx512CoreBf16)) ||
+        (s.amx_bf16 && allowed(OnednnIsa::kAvx512CoreAmx)) || ne_convert) {
+      return CpuHalfMatmul::kFast;
+    }
+    // AVX-512 without its bf16 instructions: oneDNN converts in integer code around fp32 FMAs.
+    // Limited to AVX512_CORE on a Zen 5 (the same oneDNN code as on a Cascade Lake): a 512x256
+    // by 256x512 matmul 0.83x fp32, a 3x3 convolution 0.78x, apex-train's transformer O1/O2
+    // 0.84x/0.80x O0 and its resnet 0.64x/0.67x, against 1.57x/1.45x and 1.07x/1.11x through
+    // apex's route.
+    if (s.avx512_core && allowed(OnednnIsa::kAvx512Core)) return CpuHalfMatmul::kEmulated;
+    return CpuHalfMatmul::kScalar;
   }
-  return s.avx512_fp16 || s.amx_fp16 || s.avx_ne_convert;
+  if ((s.avx512_fp16 && allowed(OnednnIsa::kAvx512CoreFp16)) ||
+      (s.amx_fp16 && allowed(OnednnIsa::kAvx512CoreAmxFp16)) || ne_convert) {
+    return CpuHalfMatmul::kFast;
+  }
+  return CpuHalfMatmul::kScalar;
+}
+
+CpuHalfMatmul cpu_half_matmul_kind(c10::ScalarType dtype) {
+  return cpu_half_matmul_kind(dtype, cpu_half_support());
+}
+
+bool cpu_half_matmul_is_fast(c10::ScalarType dtype, const CpuHalfSupport& s) {
+  return cpu_half_matmul_kind(dtype, s) == CpuHalfMatmul::kFast;
+}
+
+bool cpu_half_matmul_is_fast(c10::ScalarType dtype) {
+  return cpu_half_matmul_is_fast(dtype, cpu_half_support());
+}
+
+std::string cpu_half_matmul_slow_reason(c10::ScalarType dtype) {
+  const CpuHalfMatmul kind = cpu_half_matmul_kind(dtype);
+  if (kind == CpuHalfMatmul::kFast) return "";
+  std::string how = kind == CpuHalfMatmul::kScalar
+                        ? "in a scalar loop"
+                        : "through oneDNN's emulation, at 0.6-0.85x fp32's speed,";
+  CpuHalfSupport unlimited = cpu_half_support();
+  unlimited.onednn_max_isa = OnednnIsa::kAll;
+  if (cpu_half_matmul_kind(dtype, unlimited) != kind) {
+    const char* value = std::getenv("ONEDNN_MAX_CPU_ISA");
+    const char* name = value != nullptr ? "ONEDNN_MAX_CPU_ISA" : "DNNL_MAX_CPU_ISA";
+    if (value == nullptr) value = std::getenv(name);
+    return how + " here: " + name + "=" + (value != nullptr ? value : "") +
+           " keeps oneDNN from this CPU's instructions for them";
+  }
+  if (kind == CpuHalfMatmul::kEmulated) return how + " on this CPU (AVX-512 without AVX512-BF16)";
+  return how + " on this CPU (it has fast ones only with AVX512-BF16, AVX512-FP16, AMX or " +
+         "AVX-NE-CONVERT)";
 }
 
 double cpu_half_matmul_speed(c10::ScalarType dtype) {

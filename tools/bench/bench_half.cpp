@@ -278,7 +278,10 @@ int run_half(const Config& cfg) {
   for (const at::ScalarType t : {at::kBFloat16, at::kHalf}) {
     std::printf("apex-bench half: LibTorch's %s matmuls are %s on this CPU; the fp32 route %s\n",
                 t == at::kBFloat16 ? "bf16" : "fp16",
-                apex::amp::cpu_half_matmul_is_fast(t) ? "fast" : "slow",
+                apex::amp::cpu_half_matmul_kind(t) == apex::amp::CpuHalfMatmul::kFast ? "fast"
+                : apex::amp::cpu_half_matmul_kind(t) == apex::amp::CpuHalfMatmul::kEmulated
+                    ? "emulated (below fp32's speed)"
+                    : "slow",
                 apex::amp::cpu_half_fallback_available(t)
                     ? "takes them in the scope"
                     : "leaves them to LibTorch (ours = LibTorch's half kernels)");

@@ -62,7 +62,8 @@ int run_train(const Config& cfg) {
     peer.fp32 = python_run(c.model, "fp32", peer_steps, threads);
     // Where LibTorch's half matmuls are a scalar loop (cpuid), Python's autocast runs tens of
     // times slower than fp32: a few steps measure it in bounded time.
-    const bool slow_half = !apex::amp::cpu_half_matmul_is_fast(c10::kBFloat16);
+    const bool slow_half =
+        apex::amp::cpu_half_matmul_kind(c10::kBFloat16) == apex::amp::CpuHalfMatmul::kScalar;
     if (slow_half) {
       std::printf(
           "(%s: Python autocast timed on 3 steps after 1: LibTorch's bf16 matmuls are a "

@@ -353,16 +353,15 @@ Cli parse_cli(const std::vector<std::string>& args) {
     // then runs O0 alone and says why. (Decided from cpuid, never from a timing: a busy machine
     // once made a timing misjudge.)
     if (o.device.is_cpu() && !cli.help) {
-      if (!apex::amp::cpu_half_matmul_is_fast(o.half_dtype) &&
+      if (apex::amp::cpu_half_matmul_kind(o.half_dtype) == apex::amp::CpuHalfMatmul::kScalar &&
           !apex::amp::cpu_half_fallback_available(o.half_dtype)) {
         cli.compare = {"O0"};
         std::ostringstream note;
         note << "apex-train: O1 and O2 left out of the default comparison: LibTorch multiplies "
-             << (o.half_dtype == c10::kBFloat16 ? "bf16" : "fp16")
-             << " matrices in a scalar loop on this CPU (it has fast ones only with AVX-512, "
-                "AVX512-BF16, AVX512-FP16 or AMX) and APEX_CPU_HALF_FALLBACK=0 turns off apex's "
-                "fp32 route, so they would train tens of times slower than O0; --compare "
-                "O0,O1,O2 runs them anyway";
+             << (o.half_dtype == c10::kBFloat16 ? "bf16" : "fp16") << " matrices "
+             << apex::amp::cpu_half_matmul_slow_reason(o.half_dtype)
+             << ", and APEX_CPU_HALF_FALLBACK=0 turns off apex's fp32 route, so they would train "
+                "tens of times slower than O0; --compare O0,O1,O2 runs them anyway";
         cli.note = note.str();
       }
     }

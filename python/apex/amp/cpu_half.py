@@ -3,13 +3,14 @@
 
 On a CPU without AVX512-BF16, AMX or AVX512-FP16 (every AVX2-only x86 CPU), torch multiplies
 bf16 and fp16 matrices in a scalar loop: ``torch.autocast("cpu")`` trains tens of times slower than
-fp32 there. In a ``cpu_half_fallback()`` scope, bf16/fp16 ``mm``, ``addmm``, ``bmm``,
+fp32 there (on AVX-512 without AVX512-BF16, Intel's servers from Skylake to Ice Lake, bf16 runs
+through oneDNN's emulation, below fp32's speed). In a ``cpu_half_fallback()`` scope, bf16/fp16 ``mm``, ``addmm``, ``bmm``,
 ``baddbmm``, ``addbmm`` (so ``linear``, ``matmul`` and ``conv_tbc``; in place and ``out=`` too),
 ``nn.LSTM``/``nn.GRU``, convolutions and the CPU flash attention run as torch's
 fp32 kernels on exactly widened inputs, their outputs rounded once to the half dtype, and GELU
 and SiLU (forward and backward) read a correctly rounded table per half dtype. The scope
 belongs to the thread that opens it; where torch's half path is fast it does nothing (per
-dtype: a CPU with AVX-512 but no AVX512-FP16 takes the route for fp16 alone), and
+dtype: a CPU with AVX512-BF16 but no AVX512-FP16 takes the route for fp16 alone), and
 ``APEX_CPU_HALF_FALLBACK=0`` turns it off (``=1`` on, to compare). ``apex.amp`` opens it around the
 forward of the models it patched and around the backward inside ``scale_loss`` at O1-O3; code
 that casts its model itself opens it by hand::
@@ -52,8 +53,8 @@ class cpu_half_fallback:  # noqa: N801 (a context manager, named like torch's)
 def cpu_half_fallback_available(dtype=None):
     """Whether the fp32 route is used on this CPU for ``dtype`` (``torch.bfloat16`` or
     ``torch.float16``; None: for either), decided once per process from cpuid and
-    ``APEX_CPU_HALF_FALLBACK``: a CPU with AVX-512 but no AVX512-FP16 takes it for fp16
-    only."""
+    ``APEX_CPU_HALF_FALLBACK`` (and oneDNN's ``ONEDNN_MAX_CPU_ISA``): a CPU with AVX512-BF16
+    but no AVX512-FP16 takes it for fp16 only."""
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"cpu_half_fallback_available: expected torch.bfloat16 or torch.float16, "
                          f"got {dtype}")
