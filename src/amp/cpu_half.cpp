@@ -15,6 +15,7 @@
 #include <ATen/ops/bmm_cpu_dispatch.h>
 #include <ATen/ops/convolution_backward_compositeexplicitautograd_dispatch.h>
 #include <ATen/ops/convolution_compositeexplicitautograd_dispatch.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/gelu_backward_cpu_dispatch.h>
 #include <ATen/ops/gelu_cpu_dispatch.h>
@@ -37,12 +38,14 @@
 #include "amp/cpu_half_conv1d.h"
 #include "bridge/bridge.h"
 #include "kernels/activation.h"
+#include "kernels/attention.h"
 #include "kernels/gemm.h"
 #include "kernels/gemv.h"
 #include "kernels/half_add.h"
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -554,6 +557,53 @@ at::Tensor wide_mask(const at::Tensor& m) {
   return wide(compact).expand(m.sizes());
 }
 
+// Attention through apex's own kernels (kernels/attention.h): no mask, no dropout, one head of K
+// and V per head of Q, one head size (LibTorch's flash attention refuses others), sequences and
+// heads up to kAttentionMaxLength (all keys' scores held at once), where the product is on
+// (own_gemm). Otherwise widened for LibTorch's fp32 flash attention.
+bool own_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& mask, double dropout_p) {
+  using kernels::cpu::kAttentionMaxLength;
+  if (!own_gemm() || !kernels::cpu::half_attention_available() || mask.defined() ||
+      dropout_p != 0.0 || q.dim() != 4 || k.dim() != 4 || v.dim() != 4) {
+    return false;
+  }
+  const auto fits = [](int64_t n) { return n >= 1 && n <= kAttentionMaxLength; };
+  return q.size(0) >= 1 && q.size(1) >= 1 && k.size(0) == q.size(0) && v.size(0) == q.size(0) &&
+         k.size(1) == q.size(1) && v.size(1) == q.size(1) && k.size(3) == q.size(3) &&
+         v.size(3) == q.size(3) &&
+         v.size(2) == k.size(2) && fits(q.size(2)) && fits(k.size(2)) && fits(q.size(3)) &&
+         fits(v.size(3));
+}
+
+kernels::cpu::HalfView half_view(const at::Tensor& x) {
+  return {x.const_data_ptr(), x.stride(0), x.stride(1), x.stride(2), x.stride(3)};
+}
+kernels::cpu::HalfOut half_out(at::Tensor& x) {
+  return {x.mutable_data_ptr(), x.stride(0), x.stride(1), x.stride(2), x.stride(3)};
+}
+
+kernels::cpu::HalfAttention attention_of(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, bool is_causal,
+                                         std::optional<double> scale) {
+  kernels::cpu::HalfAttention a;
+  a.t = bridge::kernel_dtype(q, "scaled_dot_product_attention");
+  a.batch = q.size(0);
+  a.heads = q.size(1);
+  a.lq = q.size(2);
+  a.lk = k.size(2);
+  a.d = q.size(3);
+  a.dv = v.size(3);
+  a.q = half_view(q);
+  a.k = half_view(k);
+  a.v = half_view(v);
+  // LibTorch's default: 1 / sqrt(head size), in double, then fp32.
+  a.scale =
+      static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(a.d)));
+  a.causal = is_causal;
+  return a;
+}
+
 std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& v, double dropout_p,
                                                    bool is_causal,
@@ -563,6 +613,19 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
   if (!take({&q, &k, &v}) || !mask_taken(m, q)) {
     return at::cpu::_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
                                                                 attn_mask, scale);
+  }
+  if (own_attention(q, k, v, m, dropout_p)) {
+    ++gemm_calls;
+    // The layouts LibTorch's kernel gives: the output like the query, lse [B, L, H] transposed.
+    at::Tensor out = q.size(3) == v.size(3)
+                         ? at::empty_like(q, at::MemoryFormat::Preserve)
+                         : at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+    at::Tensor lse =
+        at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat)).transpose(1, 2);
+    kernels::cpu::half_attention_forward(attention_of(q, k, v, is_causal, scale), half_out(out),
+                                         lse.mutable_data_ptr<float>(), lse.stride(0),
+                                         lse.stride(1), lse.stride(2));
+    return {out, lse};
   }
   const std::optional<at::Tensor> wm =
       m.defined() && m.is_floating_point() ? std::optional<at::Tensor>(wide_mask(m)) : attn_mask;
@@ -579,6 +642,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
   if (!take({&grad_out, &q, &k, &v, &out}) || !mask_taken(m, q)) {
     return at::cpu::_scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask, scale);
+  }
+  if (own_attention(q, k, v, m, dropout_p) && grad_out.sizes() == out.sizes() && out.dim() == 4 &&
+      out.size(3) == v.size(3) && out.size(2) == q.size(2) &&
+      logsumexp.scalar_type() == at::kFloat && logsumexp.dim() == 3 &&
+      logsumexp.sizes() == q.sizes().slice(0, 3)) {
+    ++gemm_calls;
+    at::Tensor gq = at::empty_like(q, at::MemoryFormat::Preserve);
+    at::Tensor gk = at::empty_like(k, at::MemoryFormat::Preserve);
+    at::Tensor gv = at::empty_like(v, at::MemoryFormat::Preserve);
+    kernels::cpu::half_attention_backward(
+        attention_of(q, k, v, is_causal, scale), half_view(grad_out), half_view(out),
+        logsumexp.const_data_ptr<float>(), logsumexp.stride(0), logsumexp.stride(1),
+        logsumexp.stride(2), half_out(gq), half_out(gk), half_out(gv));
+    return {gq, gk, gv};
   }
   const std::optional<at::Tensor> wm =
       m.defined() && m.is_floating_point() ? std::optional<at::Tensor>(wide_mask(m)) : attn_mask;

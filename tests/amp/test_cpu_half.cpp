@@ -796,6 +796,97 @@ TEST(CpuHalfFallback, Conv1dThroughOwnProduct) {
   at::set_num_threads(threads);
 }
 
+// Attention through apex's own kernels (kernels/attention.h): the output and each gradient against
+// LibTorch's fp32 flash attention on the same values rounded once (the backward given the same
+// rounded output and logsumexp), the logsumexp within fp32 summation order; contiguous and
+// [B, L, H, D] layouts, queries and keys of different lengths,
+// causal either way round, a given scale, one token, the longest sequence taken; the same bits on
+// 1 and 4 threads; NaN and infinity as in fp32; masks and longer sequences left to the widening
+// path.
+TEST(CpuHalfFallback, AttentionThroughOwnKernels) {
+  const ForceAvailable force;
+  const bool own = apex::amp::detail::cpu_half_own_gemm();
+  const int threads = at::get_num_threads();
+  struct Shape {
+    int64_t b, h, lq, lk, d, dv;
+    bool bhld_transposed, causal;
+    std::optional<double> scale;
+  };
+  const Shape shapes[] = {
+      {2, 3, 64, 64, 64, 64, false, false, std::nullopt},
+      {2, 2, 17, 33, 40, 40, true, false, 0.3},
+      {1, 2, 33, 17, 8, 8, false, true, std::nullopt},
+      {2, 1, 20, 50, 16, 16, true, true, std::nullopt},
+      {1, 1, 256, 256, 32, 32, false, true, std::nullopt},
+      {1, 1, 1, 1, 1, 1, false, false, std::nullopt},
+  };
+  uint64_t seed = 300;
+  for (const auto t : {at::kBFloat16, at::kHalf}) {
+    for (const Shape& s : shapes) {
+      SCOPED_TRACE(::testing::Message()
+                   << t << " " << s.b << "x" << s.h << " q" << s.lq << " k" << s.lk << " d" << s.d
+                   << "/" << s.dv << " causal " << s.causal);
+      const auto make = [&](int64_t l, int64_t d) {
+        // [B, L, H, D] in memory, seen as [B, H, L, D] (a projection's heads), or contiguous.
+        return s.bhld_transposed ? exact({s.b, l, s.h, d}, t, seed++).transpose(1, 2)
+                                 : exact({s.b, s.h, l, d}, t, seed++);
+      };
+      const at::Tensor q = make(s.lq, s.d), k = make(s.lk, s.d), v = make(s.lk, s.dv);
+      const at::Tensor dout = exact({s.b, s.h, s.lq, s.dv}, t, seed++);
+      const auto wide = [](const at::Tensor& x) { return x.to(at::kFloat); };
+      std::vector<at::Tensor> runs[2];
+      for (const int n : {1, 4}) {
+        at::set_num_threads(n);
+        const CpuHalfFallbackGuard guard;
+        const uint64_t before = apex::amp::detail::cpu_half_gemm_calls();
+        auto [out, lse] =
+            at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, s.causal, {}, s.scale);
+        auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, s.causal, {}, s.scale);
+        EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls() - before, own ? 2u : 0u);
+        runs[n == 4] = {out, lse, gq, gk, gv};
+      }
+      for (size_t i = 0; i < runs[0].size(); ++i) EXPECT_TRUE(runs[0][i].equal(runs[1][i])) << i;
+      const at::Tensor out = runs[0][0], lse = runs[0][1];
+      EXPECT_EQ(out.scalar_type(), t);
+      EXPECT_EQ(lse.scalar_type(), at::kFloat);
+      auto [want, want_lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+          wide(q), wide(k), wide(v), 0.0, s.causal, {}, s.scale);
+      EXPECT_TRUE(rounded_once(out, want));
+      EXPECT_TRUE(apex::test::all_close(lse, want_lse, {1e-5, 1e-5}));
+      auto [wq, wk, wv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+          wide(dout), wide(q), wide(k), wide(v), wide(out), lse, 0.0, s.causal, {}, s.scale);
+      EXPECT_TRUE(rounded_once(runs[0][2], wq)) << "dq";
+      EXPECT_TRUE(rounded_once(runs[0][3], wk)) << "dk";
+      EXPECT_TRUE(rounded_once(runs[0][4], wv)) << "dv";
+    }
+    // NaN in a query, infinity in a key: where the fp32 kernel has NaN or infinity, so do we.
+    {
+      at::Tensor q = exact({1, 2, 24, 16}, t, seed++), k = exact({1, 2, 24, 16}, t, seed++);
+      const at::Tensor v = exact({1, 2, 24, 16}, t, seed++);
+      q.index_put_({0, 0, 3, 5}, std::numeric_limits<float>::quiet_NaN());
+      k.index_put_({0, 1, 7, 2}, std::numeric_limits<float>::infinity());
+      const at::Tensor want = std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(
+          q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat)));
+      const CpuHalfFallbackGuard guard;
+      const at::Tensor got = std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(q, k, v));
+      EXPECT_TRUE(got.isnan().equal(want.isnan())) << t;
+      EXPECT_TRUE(got.isinf().equal(want.isinf())) << t;
+      EXPECT_GT(want.isnan().sum().item<int64_t>(), 0) << t;
+    }
+    // Not taken: a mask, a sequence past the longest.
+    const CpuHalfFallbackGuard guard;
+    const uint64_t before = apex::amp::detail::cpu_half_gemm_calls();
+    const at::Tensor q = exact({1, 2, 16, 8}, t, seed++);
+    at::_scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, false,
+                                                    at::zeros({16, 16}, q.options()));
+    const at::Tensor longer = exact({1, 1, 257, 8}, t, seed++);
+    at::_scaled_dot_product_flash_attention_for_cpu(longer, longer, longer);
+    EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls(), before);
+  }
+  at::set_num_threads(threads);
+}
+
 // NaN and infinity reach the output as in the fp32 product rounded once, on every product path:
 // widened (many rows), the vector kernels' fp32 result (few columns), their driver's rounded
 // result with and without a bias (few rows), addmv, a 1-D convolution through apex's product.

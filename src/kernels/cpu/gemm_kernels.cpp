@@ -5,6 +5,8 @@
 // AVX2's FMA and F16C are empty, and the route widens through LibTorch's sgemm there. Each sum is
 // one chain of fused multiply-adds in k order on every ISA, so a result's bits do not depend on
 // the ISA, the split or the tile.
+#include <algorithm>
+
 #include "kernels/cpu/vec.h"
 
 namespace apex::kernels::cpu {
@@ -163,6 +165,7 @@ inline void reg_storeu(float* p, Reg v) { _mm512_storeu_ps(p, v); }
 inline Reg reg_splat(const float* p) { return _mm512_set1_ps(*p); }
 inline Reg reg_fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
 inline Reg reg_add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+inline Reg reg_sub(Reg a, Reg b) { return _mm512_sub_ps(a, b); }
 #else
 using Reg = __m256;
 inline Reg reg_zero() { return _mm256_setzero_ps(); }
@@ -172,6 +175,7 @@ inline void reg_storeu(float* p, Reg v) { _mm256_storeu_ps(p, v); }
 inline Reg reg_splat(const float* p) { return _mm256_broadcast_ss(p); }
 inline Reg reg_fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
 inline Reg reg_add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+inline Reg reg_sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
 #endif
 constexpr int64_t kRegLanes = kNr / 2;
 
@@ -226,11 +230,79 @@ void multiply(const float* a, const float* b, int64_t mc, int64_t ncp, int64_t k
   }
 }
 
+// exp by range reduction: t = n ln2 + r with n = round(t / ln2), |r| <= ln2 / 2 (ln2 in two
+// parts, the first exact in a few bits, so n ln2 is subtracted without error), e^r by its degree-6
+// polynomial (the minimax coefficients of Cephes' expf), times 2^n built in the exponent bits.
+#if defined(__AVX512F__)
+// The maskz forms with a full mask: the plain ones trip GCC 12's maybe-uninitialized warning.
+inline Reg reg_exp(Reg t) {
+  constexpr __mmask16 all = 0xffff;
+  const __mmask16 nan = _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+  const Reg x = _mm512_maskz_min_ps(all, _mm512_maskz_max_ps(all, t, _mm512_set1_ps(-87.3f)),
+                                    _mm512_set1_ps(88.3f));
+  const Reg n = _mm512_maskz_roundscale_ps(all, _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Reg r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  Reg p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const Reg y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_maskz_slli_epi32(
+      all, _mm512_add_epi32(_mm512_maskz_cvtps_epi32(all, n), _mm512_set1_epi32(127)), 23);
+  const Reg v = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  return _mm512_mask_mov_ps(_mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), v), nan, t);
+}
+#else
+inline Reg reg_exp(Reg t) {
+  const Reg nan = _mm256_cmp_ps(t, t, _CMP_UNORD_Q);
+  const Reg tiny = _mm256_cmp_ps(t, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+  const Reg x = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const Reg n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Reg r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  Reg p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const Reg y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const Reg v = _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+  return _mm256_blendv_ps(v, t, nan);
+}
+#endif
+
+void exp_shifted(float* x, const float* shift, int64_t n, float scale) {
+  constexpr int64_t w = kRegLanes;
+  const Reg s = reg_splat(&scale);
+  const auto one = [&](const float* in, const float* sh, float* out) {
+    reg_storeu(out, reg_exp(reg_fma(reg_loadu(in), s, reg_sub(reg_zero(), reg_loadu(sh)))));
+  };
+  int64_t j = 0;
+  for (; j + w <= n; j += w) one(x + j, shift + j, x + j);
+  if (j < n) {  // the tail through a full register's room: the same instructions, the same bits
+    alignas(64) float in[w] = {}, sh[w] = {}, out[w];
+    std::copy(x + j, x + n, in);
+    std::copy(shift + j, shift + n, sh);
+    one(in, sh, out);
+    std::copy(out, out + (n - j), x + j);
+  }
+}
+
 constexpr GemmKernels kTable = {
     .nr = kNr,
     .pack_a = pack_a,
     .pack_b = pack_b,
     .multiply = multiply,
+    .exp_shifted = exp_shifted,
 };
 
 #else

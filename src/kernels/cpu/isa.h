@@ -154,6 +154,10 @@ struct GemmKernels {
   /// below mc rounded up to kGemmMr and j < ncp (a multiple of nr), from packed panels.
   void (*multiply)(const float* a, const float* b, int64_t mc, int64_t ncp, int64_t kc, float* c,
                    int64_t ldc, bool accumulate);
+  /// x[j] = exp(x[j] * scale - shift[j]) for j < n (attention's softmax, kernels/attention.h):
+  /// within ~2 fp32 units of the exact value; 0 where the argument is below -87.3 (-inf: a
+  /// masked score), NaN where it is NaN.
+  void (*exp_shifted)(float* x, const float* shift, int64_t n, float scale);
 };
 
 /// Every kernel table of one instruction set.
