@@ -571,9 +571,8 @@ bool own_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const auto fits = [](int64_t n) { return n >= 1 && n <= kAttentionMaxLength; };
   return q.size(0) >= 1 && q.size(1) >= 1 && k.size(0) == q.size(0) && v.size(0) == q.size(0) &&
          k.size(1) == q.size(1) && v.size(1) == q.size(1) && k.size(3) == q.size(3) &&
-         v.size(3) == q.size(3) &&
-         v.size(2) == k.size(2) && fits(q.size(2)) && fits(k.size(2)) && fits(q.size(3)) &&
-         fits(v.size(3));
+         v.size(3) == q.size(3) && v.size(2) == k.size(2) && fits(q.size(2)) && fits(k.size(2)) &&
+         fits(q.size(3)) && fits(v.size(3));
 }
 
 kernels::cpu::HalfView half_view(const at::Tensor& x) {
