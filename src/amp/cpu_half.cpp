@@ -557,22 +557,32 @@ at::Tensor wide_mask(const at::Tensor& m) {
   return wide(compact).expand(m.sizes());
 }
 
-// Attention through apex's own kernels (kernels/attention.h): no mask, no dropout, one head of K
-// and V per head of Q, one head size (LibTorch's flash attention refuses others), sequences and
-// heads up to kAttentionMaxLength (all keys' scores held at once), where the product is on
+// Attention through apex's own kernels (kernels/attention.h): no dropout, one head of K and V per
+// head of Q, one head size (LibTorch's flash attention refuses others), sequences and heads up to
+// kAttentionMaxLength (all keys' scores held at once), an additive mask in the query's dtype of 2
+// or 4 dimensions that broadcasts to [B, H, Lq, Lk] (or none), where the product is on
 // (own_gemm). Otherwise widened for LibTorch's fp32 flash attention.
 bool own_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& mask, double dropout_p) {
   using kernels::cpu::kAttentionMaxLength;
-  if (!own_gemm() || !kernels::cpu::half_attention_available() || mask.defined() ||
-      dropout_p != 0.0 || q.dim() != 4 || k.dim() != 4 || v.dim() != 4) {
+  if (!own_gemm() || !kernels::cpu::half_attention_available() || dropout_p != 0.0 ||
+      q.dim() != 4 || k.dim() != 4 || v.dim() != 4) {
     return false;
   }
   const auto fits = [](int64_t n) { return n >= 1 && n <= kAttentionMaxLength; };
-  return q.size(0) >= 1 && q.size(1) >= 1 && k.size(0) == q.size(0) && v.size(0) == q.size(0) &&
-         k.size(1) == q.size(1) && v.size(1) == q.size(1) && k.size(3) == q.size(3) &&
-         v.size(3) == q.size(3) && v.size(2) == k.size(2) && fits(q.size(2)) && fits(k.size(2)) &&
-         fits(q.size(3)) && fits(v.size(3));
+  const bool shapes = q.size(0) >= 1 && q.size(1) >= 1 && k.size(0) == q.size(0) &&
+                      v.size(0) == q.size(0) && k.size(1) == q.size(1) && v.size(1) == q.size(1) &&
+                      k.size(3) == q.size(3) && v.size(3) == q.size(3) && v.size(2) == k.size(2) &&
+                      fits(q.size(2)) && fits(k.size(2)) && fits(q.size(3)) && fits(v.size(3));
+  if (!shapes || !mask.defined()) return shapes;
+  return mask.scalar_type() == q.scalar_type() && (mask.dim() == 2 || mask.dim() == 4) &&
+         at::is_expandable_to(mask.sizes(), {q.size(0), q.size(1), q.size(2), k.size(2)});
+}
+
+// The mask as [B, H, Lq, Lk] with zero strides where it broadcasts.
+at::Tensor mask_4d(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k) {
+  const at::Tensor m = mask.dim() == 2 ? mask.unsqueeze(0).unsqueeze(0) : mask;
+  return m.expand({q.size(0), q.size(1), q.size(2), k.size(2)});
 }
 
 kernels::cpu::HalfView half_view(const at::Tensor& x) {
@@ -583,8 +593,8 @@ kernels::cpu::HalfOut half_out(at::Tensor& x) {
 }
 
 kernels::cpu::HalfAttention attention_of(const at::Tensor& q, const at::Tensor& k,
-                                         const at::Tensor& v, bool is_causal,
-                                         std::optional<double> scale) {
+                                         const at::Tensor& v, const at::Tensor& mask4,
+                                         bool is_causal, std::optional<double> scale) {
   kernels::cpu::HalfAttention a;
   a.t = bridge::kernel_dtype(q, "scaled_dot_product_attention");
   a.batch = q.size(0);
@@ -596,6 +606,7 @@ kernels::cpu::HalfAttention attention_of(const at::Tensor& q, const at::Tensor& 
   a.q = half_view(q);
   a.k = half_view(k);
   a.v = half_view(v);
+  if (mask4.defined()) a.mask = half_view(mask4);
   // LibTorch's default: 1 / sqrt(head size), in double, then fp32.
   a.scale =
       static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(a.d)));
@@ -615,13 +626,14 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
   }
   if (own_attention(q, k, v, m, dropout_p)) {
     ++gemm_calls;
+    const at::Tensor m4 = m.defined() ? mask_4d(m, q, k) : m;
     // The layouts LibTorch's kernel gives: the output like the query, lse [B, L, H] transposed.
     at::Tensor out = q.size(3) == v.size(3)
                          ? at::empty_like(q, at::MemoryFormat::Preserve)
                          : at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
     at::Tensor lse =
         at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat)).transpose(1, 2);
-    kernels::cpu::half_attention_forward(attention_of(q, k, v, is_causal, scale), half_out(out),
+    kernels::cpu::half_attention_forward(attention_of(q, k, v, m4, is_causal, scale), half_out(out),
                                          lse.mutable_data_ptr<float>(), lse.stride(0),
                                          lse.stride(1), lse.stride(2));
     return {out, lse};
@@ -647,11 +659,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
       logsumexp.scalar_type() == at::kFloat && logsumexp.dim() == 3 &&
       logsumexp.sizes() == q.sizes().slice(0, 3)) {
     ++gemm_calls;
+    const at::Tensor m4 = m.defined() ? mask_4d(m, q, k) : m;
     at::Tensor gq = at::empty_like(q, at::MemoryFormat::Preserve);
     at::Tensor gk = at::empty_like(k, at::MemoryFormat::Preserve);
     at::Tensor gv = at::empty_like(v, at::MemoryFormat::Preserve);
     kernels::cpu::half_attention_backward(
-        attention_of(q, k, v, is_causal, scale), half_view(grad_out), half_view(out),
+        attention_of(q, k, v, m4, is_causal, scale), half_view(grad_out), half_view(out),
         logsumexp.const_data_ptr<float>(), logsumexp.stride(0), logsumexp.stride(1),
         logsumexp.stride(2), half_out(gq), half_out(gk), half_out(gv));
     return {gq, gk, gv};

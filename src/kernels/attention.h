@@ -25,14 +25,16 @@ struct HalfOut {
   int64_t b = 0, h = 0, r = 0, c = 0;
 };
 
-/// softmax(scale * Q K^T (keys after a query masked where causal: key > query), over keys) V,
-/// Q [lq, d], K [lk, d], V [lk, dv] per (batch, head); its log-sum-exp per query (natural log of
-/// the sum of exp(scale * score)) into lse [batch, heads, lq] by strides, fp32. Every size >= 1,
-/// lq, lk, d, dv <= kAttentionMaxLength.
+/// softmax(scale * Q K^T + M (keys after a query masked where causal: key > query), over keys) V,
+/// Q [lq, d], K [lk, d], V [lk, dv] per (batch, head), M an additive mask [lq, lk] in the same
+/// dtype (optional; zero strides for broadcast dimensions); its log-sum-exp per query (natural
+/// log of the sum of exp(scale * score + M)) into lse [batch, heads, lq] by strides, fp32. A query
+/// whose every key is masked gets zeros and a log-sum-exp of 0 (as LibTorch's kernel). Every
+/// size >= 1, lq, lk, d, dv <= kAttentionMaxLength.
 struct HalfAttention {
   DType t = DType::kBFloat16;
   int64_t batch = 0, heads = 0, lq = 0, lk = 0, d = 0, dv = 0;
-  HalfView q, k, v;
+  HalfView q, k, v, mask;  // mask.p null: none
   float scale = 1.0f;
   bool causal = false;
 };

@@ -801,16 +801,18 @@ TEST(CpuHalfFallback, Conv1dThroughOwnProduct) {
 // rounded output and logsumexp), the logsumexp within fp32 summation order; contiguous and
 // [B, L, H, D] layouts, queries and keys of different lengths,
 // causal either way round, a given scale, one token, the longest sequence taken; the same bits on
-// 1 and 4 threads; NaN and infinity as in fp32; masks and longer sequences left to the widening
-// path.
+// 1 and 4 threads; additive masks ([Lq, Lk], padding [B, 1, 1, Lk], a query with every key
+// hidden); NaN and infinity as in fp32; longer sequences left to the widening path.
 TEST(CpuHalfFallback, AttentionThroughOwnKernels) {
   const ForceAvailable force;
   const bool own = apex::amp::detail::cpu_half_own_gemm();
   const int threads = at::get_num_threads();
+  enum Mask { kNone, kAdditive2d, kPadding, kFullRow };
   struct Shape {
     int64_t b, h, lq, lk, d, dv;
     bool bhld_transposed, causal;
     std::optional<double> scale;
+    Mask mask = kNone;
   };
   const Shape shapes[] = {
       {2, 3, 64, 64, 64, 64, false, false, std::nullopt},
@@ -819,6 +821,9 @@ TEST(CpuHalfFallback, AttentionThroughOwnKernels) {
       {2, 1, 20, 50, 16, 16, true, true, std::nullopt},
       {1, 1, 256, 256, 32, 32, false, true, std::nullopt},
       {1, 1, 1, 1, 1, 1, false, false, std::nullopt},
+      {2, 2, 24, 40, 16, 16, false, false, std::nullopt, kAdditive2d},
+      {3, 2, 30, 30, 16, 16, true, true, 0.5, kPadding},
+      {2, 3, 12, 20, 8, 8, false, false, std::nullopt, kFullRow},
   };
   uint64_t seed = 300;
   for (const auto t : {at::kBFloat16, at::kHalf}) {
@@ -833,6 +838,26 @@ TEST(CpuHalfFallback, AttentionThroughOwnKernels) {
       };
       const at::Tensor q = make(s.lq, s.d), k = make(s.lk, s.d), v = make(s.lk, s.dv);
       const at::Tensor dout = exact({s.b, s.h, s.lq, s.dv}, t, seed++);
+      // Masks in the query's dtype, -inf where a key is hidden: [Lq, Lk] values and some -inf;
+      // [B, 1, 1, Lk] hiding each sample's last keys (padding); [B, H, Lq, Lk] hiding every key of
+      // one query (zeros out, as LibTorch's kernel).
+      at::Tensor mask;
+      const float inf = std::numeric_limits<float>::infinity();
+      if (s.mask == kAdditive2d) {
+        mask = exact({s.lq, s.lk}, t, seed++);
+        mask.masked_fill_(exact({s.lq, s.lk}, t, seed++).gt(1.0), -inf);
+      } else if (s.mask == kPadding) {
+        mask = at::zeros({s.b, 1, 1, s.lk}, q.options());
+        for (int64_t i = 0; i < s.b; ++i)
+          mask.index_put_({i, 0, 0, at::indexing::Slice(s.lk - 3 * i, at::indexing::None)}, -inf);
+      } else if (s.mask == kFullRow) {
+        mask = exact({s.b, s.h, s.lq, s.lk}, t, seed++);
+        mask.index_put_({1, 2, 5}, -inf);
+      }
+      const std::optional<at::Tensor> m =
+          mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
+      const std::optional<at::Tensor> wm =
+          mask.defined() ? std::optional<at::Tensor>(mask.to(at::kFloat)) : std::nullopt;
       const auto wide = [](const at::Tensor& x) { return x.to(at::kFloat); };
       std::vector<at::Tensor> runs[2];
       for (const int n : {1, 4}) {
@@ -840,9 +865,9 @@ TEST(CpuHalfFallback, AttentionThroughOwnKernels) {
         const CpuHalfFallbackGuard guard;
         const uint64_t before = apex::amp::detail::cpu_half_gemm_calls();
         auto [out, lse] =
-            at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, s.causal, {}, s.scale);
+            at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, s.causal, m, s.scale);
         auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, s.causal, {}, s.scale);
+            dout, q, k, v, out, lse, 0.0, s.causal, m, s.scale);
         EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls() - before, own ? 2u : 0u);
         runs[n == 4] = {out, lse, gq, gk, gv};
       }
@@ -851,11 +876,11 @@ TEST(CpuHalfFallback, AttentionThroughOwnKernels) {
       EXPECT_EQ(out.scalar_type(), t);
       EXPECT_EQ(lse.scalar_type(), at::kFloat);
       auto [want, want_lse] = at::_scaled_dot_product_flash_attention_for_cpu(
-          wide(q), wide(k), wide(v), 0.0, s.causal, {}, s.scale);
+          wide(q), wide(k), wide(v), 0.0, s.causal, wm, s.scale);
       EXPECT_TRUE(rounded_once(out, want));
       EXPECT_TRUE(apex::test::all_close(lse, want_lse, {1e-5, 1e-5}));
       auto [wq, wk, wv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-          wide(dout), wide(q), wide(k), wide(v), wide(out), lse, 0.0, s.causal, {}, s.scale);
+          wide(dout), wide(q), wide(k), wide(v), wide(out), lse, 0.0, s.causal, wm, s.scale);
       EXPECT_TRUE(rounded_once(runs[0][2], wq)) << "dq";
       EXPECT_TRUE(rounded_once(runs[0][3], wk)) << "dk";
       EXPECT_TRUE(rounded_once(runs[0][4], wv)) << "dv";
@@ -874,12 +899,9 @@ TEST(CpuHalfFallback, AttentionThroughOwnKernels) {
       EXPECT_TRUE(got.isinf().equal(want.isinf())) << t;
       EXPECT_GT(want.isnan().sum().item<int64_t>(), 0) << t;
     }
-    // Not taken: a mask, a sequence past the longest.
+    // Not taken: a sequence past the longest.
     const CpuHalfFallbackGuard guard;
     const uint64_t before = apex::amp::detail::cpu_half_gemm_calls();
-    const at::Tensor q = exact({1, 2, 16, 8}, t, seed++);
-    at::_scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, false,
-                                                    at::zeros({16, 16}, q.options()));
     const at::Tensor longer = exact({1, 1, 257, 8}, t, seed++);
     at::_scaled_dot_product_flash_attention_for_cpu(longer, longer, longer);
     EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls(), before);

@@ -27,7 +27,7 @@ int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 // Per-thread buffers, kept between calls (at most ~1.6 MiB: six blocks of 258 x 256 floats).
 struct Buffers {
-  std::vector<float> pa, pb, s, dp, c, rows;
+  std::vector<float> pa, pb, s, dp, c, rows, mask;
   static float* sized(std::vector<float>& v, int64_t n) {
     // 64-byte aligned (B's panels are loaded aligned), room past the end for the packs' stores.
     if (static_cast<int64_t>(v.size()) < n + 32) v.resize(static_cast<size_t>(n + 32));
@@ -93,6 +93,17 @@ void store_rows(const MultiTensorKernels& mt, float* c, int64_t ldc, int64_t row
   }
 }
 
+// The item's mask widened into wm [lq, lk] (row per query), unless it is the one there already
+// (`held`: a broadcast mask is widened once per thread).
+void widen_mask(const MultiTensorKernels& mt, const HalfAttention& a, int64_t bi, int64_t hi,
+                float* wm, const uint16_t*& held) {
+  const uint16_t* m = at_item(a.mask, bi, hi);
+  if (m == held) return;
+  for (int64_t i = 0; i < a.lq; ++i)
+    load_row(mt, m + i * a.mask.r, a.mask.c, a.lk, a.t, wm + i * a.lk);
+  held = m;
+}
+
 void check(const HalfAttention& a) {
   TORCH_CHECK(a.t == DType::kBFloat16 || a.t == DType::kFloat16,
               "apex half_attention: expected bf16 or fp16 elements");
@@ -133,6 +144,11 @@ void half_attention_forward(const HalfAttention& a, const HalfOut& out, float* l
     float* shift = m + nq;    // scale * m
     float* sum = shift + nq;  // the sum of exp(scale * score - shift)
     float* room = sum + nq;   // a rounded row
+    const bool masked = a.mask.p != nullptr;
+    float* wm = masked ? Buffers::sized(buf.mask, a.lq * a.lk) : nullptr;
+    const uint16_t* held = nullptr;
+    // With a mask the scores are scaled before it is added, and the exp's scale is 1.
+    const float scale = masked ? 1.0f : a.scale;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bi = item / a.heads, hi = item % a.heads;
       const uint16_t* q = at_item(a.q, bi, hi);
@@ -142,6 +158,13 @@ void half_attention_forward(const HalfAttention& a, const HalfOut& out, float* l
       kern.pack_a(k, a.k.r, a.k.c, a.lk, a.lk, a.d, pa, t);
       kern.pack_b(q, a.q.c, a.q.r, a.lq, a.lq, a.d, pb, t);
       kern.multiply(pa, pb, a.lk, nq, a.d, s, nq, false);
+      if (masked) {
+        widen_mask(mt, a, bi, hi, wm, held);
+        for (int64_t r = 0; r < a.lk; ++r) {
+          float* row = s + r * nq;
+          for (int64_t j = 0; j < a.lq; ++j) row[j] = row[j] * a.scale + wm[j * a.lk + r];
+        }
+      }
       if (a.causal) {  // key r sees queries from r on
         for (int64_t r = 1; r < a.lk; ++r)
           std::fill(s + r * nq, s + r * nq + std::min(r, a.lq), kMinusInf);
@@ -151,12 +174,12 @@ void half_attention_forward(const HalfAttention& a, const HalfOut& out, float* l
         const float* row = s + r * nq;
         for (int64_t j = 0; j < nq; ++j) m[j] = std::max(m[j], row[j]);
       }
-      // Key 0 is never masked, so every query has a finite maximum unless a score is not.
-      for (int64_t j = 0; j < nq; ++j) shift[j] = m[j] * a.scale;
+      // A query whose every key is masked (its maximum -inf) sums to 0: zeros out, lse 0.
+      for (int64_t j = 0; j < nq; ++j) shift[j] = m[j] == kMinusInf ? 0.0f : m[j] * scale;
       std::fill(sum, sum + nq, 0.0f);
       for (int64_t r = 0; r < a.lk; ++r) {
         float* row = s + r * nq;
-        kern.exp_shifted(row, shift, nq, a.scale);
+        kern.exp_shifted(row, shift, nq, scale);
         for (int64_t j = 0; j < nq; ++j) sum[j] += row[j];
       }
       // O = P V / sum: P's rows are S^T's columns (a contiguous run per packed row).
@@ -166,9 +189,10 @@ void half_attention_forward(const HalfAttention& a, const HalfOut& out, float* l
       uint16_t* o = at_item(out, bi, hi);
       for (int64_t i = 0; i < a.lq; ++i) {
         float* row = c + i * ndv;
-        for (int64_t j = 0; j < a.dv; ++j) row[j] /= sum[i];
+        const bool none = sum[i] == 0.0f;
+        for (int64_t j = 0; j < a.dv; ++j) row[j] = none ? 0.0f : row[j] / sum[i];
         store_row(mt, row, a.dv, t, o + i * out.r, out.c, room);
-        lse[bi * lse_b + hi * lse_h + i * lse_q] = shift[i] + std::log(sum[i]);
+        lse[bi * lse_b + hi * lse_h + i * lse_q] = none ? 0.0f : shift[i] + std::log(sum[i]);
       }
     }
   });
@@ -198,6 +222,10 @@ void half_attention_backward(const HalfAttention& a, const HalfView& dout, const
     float* wdo = wo + a.dv;     // a row of dout, widened
     float* dsum = wdo + a.dv;   // per query: rowsum(dO * out)
     float* room = dsum + a.lq;  // a rounded row
+    const bool masked = a.mask.p != nullptr;
+    float* wm = masked ? Buffers::sized(buf.mask, a.lq * a.lk) : nullptr;
+    const uint16_t* held = nullptr;
+    const float scale = masked ? 1.0f : a.scale;  // as in the forward
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bi = item / a.heads, hi = item % a.heads;
       const uint16_t* q = at_item(a.q, bi, hi);
@@ -217,11 +245,16 @@ void half_attention_backward(const HalfAttention& a, const HalfView& dout, const
       kern.pack_a(q, a.q.r, a.q.c, a.lq, a.lq, a.d, pa, t);
       kern.pack_b(k, a.k.c, a.k.r, a.lk, a.lk, a.d, pb, t);
       kern.multiply(pa, pb, a.lq, nk, a.d, s, nk, false);
+      if (masked) widen_mask(mt, a, bi, hi, wm, held);
       for (int64_t i = 0; i < a.lq; ++i) {
         float* row = s + i * nk;
+        if (masked) {
+          const float* mrow = wm + i * a.lk;
+          for (int64_t j = 0; j < a.lk; ++j) row[j] = row[j] * a.scale + mrow[j];
+        }
         if (a.causal && i + 1 < a.lk) std::fill(row + i + 1, row + a.lk, kMinusInf);
         std::fill(shift, shift + nk, l[i * lse_q]);
-        kern.exp_shifted(row, shift, nk, a.scale);
+        kern.exp_shifted(row, shift, nk, scale);
       }
       // dP = dO V^T, then dS = P (dP - rowsum(dO out)) in its place.
       kern.pack_a(go, dout.r, dout.c, a.lq, a.lq, a.dv, pa, t);
