@@ -4,10 +4,11 @@
 On a CPU without AVX512-BF16, AMX or AVX512-FP16 (every AVX2-only x86 CPU), torch multiplies
 bf16 and fp16 matrices in a scalar loop: ``torch.autocast("cpu")`` trains tens of times slower than
 fp32 there (on AVX-512 without AVX512-BF16, Intel's servers from Skylake to Ice Lake, bf16 runs
-through oneDNN's emulation, below fp32's speed). In a ``cpu_half_fallback()`` scope, bf16/fp16 ``mm``, ``addmm``, ``bmm``,
-``baddbmm``, ``addbmm`` (so ``linear``, ``matmul`` and ``conv_tbc``; in place and ``out=`` too),
-``nn.LSTM``/``nn.GRU``, convolutions and the CPU flash attention run as torch's
-fp32 kernels on exactly widened inputs, their outputs rounded once to the half dtype, and GELU
+through oneDNN's emulation, below fp32's speed). In a ``cpu_half_fallback()`` scope, bf16/fp16
+``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``addbmm`` (so ``linear``, ``matmul`` and ``conv_tbc``;
+in place and ``out=`` too), ``nn.LSTM``/``nn.GRU``, convolutions and the CPU flash attention
+compute in fp32 (apex-cpp's own product and attention kernels, or torch's fp32 kernels on
+exactly widened inputs), their outputs rounded once to the half dtype, and GELU
 and SiLU (forward and backward) read a correctly rounded table per half dtype. The scope
 belongs to the thread that opens it; where torch's half path is fast it does nothing (per
 dtype: a CPU with AVX512-BF16 but no AVX512-FP16 takes the route for fp16 alone), and
