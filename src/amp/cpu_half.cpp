@@ -76,16 +76,22 @@ bool is_half(const at::Tensor& t) {
   return t.defined() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf);
 }
 
-// Every tensor defined, on the CPU, of one half dtype: the calls the fallback takes.
-bool take(c10::ArrayRef<const at::Tensor*> ts) {
-  if (active_depth == 0) return false;
+// Inside a scope, the one half dtype of the defined tensors, all on the CPU; nullopt otherwise.
+std::optional<at::ScalarType> scoped_half_dtype(c10::ArrayRef<const at::Tensor*> ts) {
+  if (active_depth == 0) return std::nullopt;
   std::optional<at::ScalarType> dtype;
   for (const at::Tensor* t : ts) {
     if (!t->defined()) continue;
-    if (!is_half(*t) || !t->device().is_cpu()) return false;
-    if (dtype && *dtype != t->scalar_type()) return false;
+    if (!is_half(*t) || !t->device().is_cpu()) return std::nullopt;
+    if (dtype && *dtype != t->scalar_type()) return std::nullopt;
     dtype = t->scalar_type();
   }
+  return dtype;
+}
+
+// Every tensor defined, on the CPU, of one half dtype the fallback serves: the calls it takes.
+bool take(c10::ArrayRef<const at::Tensor*> ts) {
+  const std::optional<at::ScalarType> dtype = scoped_half_dtype(ts);
   if (!dtype.has_value() || !cpu_half_fallback_available(*dtype)) return false;
   ++route_calls;
   return true;
@@ -557,16 +563,37 @@ at::Tensor wide_mask(const at::Tensor& m) {
   return wide(compact).expand(m.sizes());
 }
 
+// Whether attention's own kernels are in use: the CPU's kernel table has them, the product is on
+// (own_gemm), and APEX_CPU_HALF_ATTENTION is not "0" (to compare with widening, or with
+// LibTorch's half kernels where the route is off).
+bool own_attention_kernels() {
+  static const bool on = [] {
+    const char* env = std::getenv("APEX_CPU_HALF_ATTENTION");
+    return own_gemm() && kernels::cpu::half_attention_available() &&
+           !(env != nullptr && std::strcmp(env, "0") == 0);
+  }();
+  return on;
+}
+
+// Whether the kernels serve half dtypes the route does not (where LibTorch's matmuls are fast):
+// unless APEX_CPU_HALF_FALLBACK=0.
+bool attention_beyond_route() {
+  static const bool on = [] {
+    const char* env = std::getenv("APEX_CPU_HALF_FALLBACK");
+    return !(env != nullptr && std::strcmp(env, "0") == 0);
+  }();
+  return on;
+}
+
 // Attention through apex's own kernels (kernels/attention.h): no dropout, one head of K and V per
 // head of Q, one head size (LibTorch's flash attention refuses others), sequences and heads up to
 // kAttentionMaxLength (all keys' scores held at once), an additive mask in the query's dtype of 2
-// or 4 dimensions that broadcasts to [B, H, Lq, Lk] (or none), where the product is on
-// (own_gemm). Otherwise widened for LibTorch's fp32 flash attention.
+// or 4 dimensions that broadcasts to [B, H, Lq, Lk] (or none). Otherwise widened for LibTorch's
+// fp32 flash attention (in the route), or LibTorch's half kernel (beyond it).
 bool own_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& mask, double dropout_p) {
   using kernels::cpu::kAttentionMaxLength;
-  if (!own_gemm() || !kernels::cpu::half_attention_available() || dropout_p != 0.0 ||
-      q.dim() != 4 || k.dim() != 4 || v.dim() != 4) {
+  if (dropout_p != 0.0 || q.dim() != 4 || k.dim() != 4 || v.dim() != 4) {
     return false;
   }
   const auto fits = [](int64_t n) { return n >= 1 && n <= kAttentionMaxLength; };
@@ -614,18 +641,38 @@ kernels::cpu::HalfAttention attention_of(const at::Tensor& q, const at::Tensor& 
   return a;
 }
 
+// Attention's own kernels serve a dtype wherever the route does, and also where LibTorch's half
+// matmuls are fast but its half attention is not (AVX512-BF16 and AMX CPUs: ~0.4x its fp32
+// kernel up to a few hundred tokens; docs/amp.md): the kernels exist (AVX2 and wider) and
+// neither APEX_CPU_HALF_FALLBACK=0 nor APEX_CPU_HALF_ATTENTION=0 is set.
+bool attention_available(at::ScalarType dtype) {
+  const int f = forced.load();
+  if (f >= 0) return f == 1 && own_attention_kernels();
+  return own_attention_kernels() &&
+         (cpu_half_fallback_available(dtype) || attention_beyond_route());
+}
+
+// In a scope, inputs of one half dtype that attention's own kernels serve and can take.
+bool take_own_attention(c10::ArrayRef<const at::Tensor*> ts, const at::Tensor& q,
+                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                        double dropout_p) {
+  const std::optional<at::ScalarType> dtype = scoped_half_dtype(ts);
+  if (!dtype.has_value() || !attention_available(*dtype) ||
+      !own_attention(q, k, v, mask, dropout_p)) {
+    return false;
+  }
+  ++route_calls;
+  ++gemm_calls;
+  return true;
+}
+
 std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& v, double dropout_p,
                                                    bool is_causal,
                                                    const std::optional<at::Tensor>& attn_mask,
                                                    std::optional<double> scale) {
   const at::Tensor m = attn_mask.value_or(at::Tensor());
-  if (!take({&q, &k, &v}) || !mask_taken(m, q)) {
-    return at::cpu::_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
-                                                                attn_mask, scale);
-  }
-  if (own_attention(q, k, v, m, dropout_p)) {
-    ++gemm_calls;
+  if (take_own_attention({&q, &k, &v}, q, k, v, m, dropout_p)) {
     const at::Tensor m4 = m.defined() ? mask_4d(m, q, k) : m;
     // The layouts LibTorch's kernel gives: the output like the query, lse [B, L, H] transposed.
     at::Tensor out = q.size(3) == v.size(3)
@@ -637,6 +684,10 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
                                          lse.mutable_data_ptr<float>(), lse.stride(0),
                                          lse.stride(1), lse.stride(2));
     return {out, lse};
+  }
+  if (!take({&q, &k, &v}) || !mask_taken(m, q)) {
+    return at::cpu::_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
+                                                                attn_mask, scale);
   }
   const std::optional<at::Tensor> wm =
       m.defined() && m.is_floating_point() ? std::optional<at::Tensor>(wide_mask(m)) : attn_mask;
@@ -650,24 +701,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     const at::Tensor& out, const at::Tensor& logsumexp, double dropout_p, bool is_causal,
     const std::optional<at::Tensor>& attn_mask, std::optional<double> scale) {
   const at::Tensor m = attn_mask.value_or(at::Tensor());
-  if (!take({&grad_out, &q, &k, &v, &out}) || !mask_taken(m, q)) {
-    return at::cpu::_scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask, scale);
-  }
-  if (own_attention(q, k, v, m, dropout_p) && grad_out.sizes() == out.sizes() && out.dim() == 4 &&
-      out.size(3) == v.size(3) && out.size(2) == q.size(2) &&
+  if (grad_out.sizes() == out.sizes() && out.dim() == 4 && q.dim() == 4 && v.dim() == 4 &&
+      out.sizes() == at::IntArrayRef{q.size(0), q.size(1), q.size(2), v.size(3)} &&
       logsumexp.scalar_type() == at::kFloat && logsumexp.dim() == 3 &&
-      logsumexp.sizes() == q.sizes().slice(0, 3)) {
-    ++gemm_calls;
+      logsumexp.sizes() == q.sizes().slice(0, 3) &&
+      take_own_attention({&grad_out, &q, &k, &v, &out}, q, k, v, m, dropout_p)) {
     const at::Tensor m4 = m.defined() ? mask_4d(m, q, k) : m;
-    at::Tensor gq = at::empty_like(q, at::MemoryFormat::Preserve);
-    at::Tensor gk = at::empty_like(k, at::MemoryFormat::Preserve);
-    at::Tensor gv = at::empty_like(v, at::MemoryFormat::Preserve);
+    // LibTorch's layout for the gradients, whatever the inputs': [B, L, H, D] seen transposed.
+    const auto blhd = [](const at::Tensor& x) {
+      return at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options()).transpose(1, 2);
+    };
+    at::Tensor gq = blhd(q), gk = blhd(k), gv = blhd(v);
     kernels::cpu::half_attention_backward(
         attention_of(q, k, v, m4, is_causal, scale), half_view(grad_out), half_view(out),
         logsumexp.const_data_ptr<float>(), logsumexp.stride(0), logsumexp.stride(1),
         logsumexp.stride(2), half_out(gq), half_out(gk), half_out(gv));
     return {gq, gk, gv};
+  }
+  if (!take({&grad_out, &q, &k, &v, &out}) || !mask_taken(m, q)) {
+    return at::cpu::_scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask, scale);
   }
   const std::optional<at::Tensor> wm =
       m.defined() && m.is_floating_point() ? std::optional<at::Tensor>(wide_mask(m)) : attn_mask;
@@ -891,10 +944,32 @@ void register_kernels() {
       l->impl("rnn_relu.data",
               TORCH_FN((packed_hidden_rnn<at::rnn_relu, at::compositeimplicitautograd::rnn_relu>)));
     }
+  });
+}
+
+// Attention's kernels, on their own: where only they are in use (LibTorch's half matmuls fast),
+// nothing else is registered.
+void register_attention_kernels() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    QuietRegistration quiet;
+    const c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+    static auto* lib =
+        new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::CPU, __FILE__, __LINE__);
     lib->impl("_scaled_dot_product_flash_attention_for_cpu", TORCH_FN(flash_attention));
     lib->impl("_scaled_dot_product_flash_attention_for_cpu_backward",
               TORCH_FN(flash_attention_backward));
   });
+}
+
+bool attention_available_any() {
+  return attention_available(at::kBFloat16) || attention_available(at::kHalf);
+}
+
+// What the scope serves, in the dispatcher.
+void register_what_is_available() {
+  if (cpu_half_fallback_available()) register_kernels();
+  if (cpu_half_fallback_available() || attention_available_any()) register_attention_kernels();
 }
 
 }  // namespace
@@ -915,14 +990,12 @@ bool cpu_half_fallback_available() {
 
 bool cpu_half_fallback_active() { return active_depth > 0; }
 
-void prepare_cpu_half_fallback() {
-  if (cpu_half_fallback_available()) register_kernels();
-}
+void prepare_cpu_half_fallback() { register_what_is_available(); }
 
 CpuHalfFallbackGuard::CpuHalfFallbackGuard(bool enabled)
-    : counted_(enabled && cpu_half_fallback_available()) {
+    : counted_(enabled && (cpu_half_fallback_available() || attention_available_any())) {
   if (!counted_) return;
-  register_kernels();
+  register_what_is_available();
   ++active_depth;
 }
 
@@ -938,6 +1011,7 @@ void force_cpu_half_fallback_available(std::optional<bool> value) {
 uint64_t cpu_half_route_calls() { return route_calls; }
 bool cpu_half_own_gemm() { return own_gemm(); }
 uint64_t cpu_half_gemm_calls() { return gemm_calls; }
+bool cpu_half_attention_available(c10::ScalarType dtype) { return attention_available(dtype); }
 }  // namespace detail
 
 }  // namespace apex::amp

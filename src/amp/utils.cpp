@@ -106,8 +106,8 @@ CpuHalfSupport detect() { return {}; }
 // know leaves it unlimited.
 OnednnIsa onednn_limit_from_env() {
   const char* value = std::getenv("ONEDNN_MAX_CPU_ISA");
-  if (value == nullptr) value = std::getenv("DNNL_MAX_CPU_ISA");
-  if (value == nullptr) return OnednnIsa::kAll;
+  if (value == nullptr || *value == '\0') value = std::getenv("DNNL_MAX_CPU_ISA");
+  if (value == nullptr || *value == '\0') return OnednnIsa::kAll;
   return onednn_isa_from_name(value).value_or(OnednnIsa::kAll);
 }
 
@@ -220,8 +220,9 @@ std::string cpu_half_matmul_slow_reason(c10::ScalarType dtype) {
   unlimited.onednn_max_isa = OnednnIsa::kAll;
   if (cpu_half_matmul_kind(dtype, unlimited) != kind) {
     const char* value = std::getenv("ONEDNN_MAX_CPU_ISA");
-    const char* name = value != nullptr ? "ONEDNN_MAX_CPU_ISA" : "DNNL_MAX_CPU_ISA";
-    if (value == nullptr) value = std::getenv(name);
+    const bool onednn = value != nullptr && *value != '\0';
+    const char* name = onednn ? "ONEDNN_MAX_CPU_ISA" : "DNNL_MAX_CPU_ISA";
+    if (!onednn) value = std::getenv(name);
     return how + " here: " + name + "=" + (value != nullptr ? value : "") +
            " keeps oneDNN from this CPU's instructions for them";
   }

@@ -805,9 +805,12 @@ TEST(CpuHalfFallback, Conv1dThroughOwnProduct) {
 // hidden); NaN and infinity as in fp32; longer sequences left to the widening path.
 TEST(CpuHalfFallback, AttentionThroughOwnKernels) {
   const ForceAvailable force;
-  const bool own = apex::amp::detail::cpu_half_own_gemm();
+  // The kernels exist from AVX2 on, unless APEX_CPU_HALF_GEMM=0 or APEX_CPU_HALF_ATTENTION=0
+  // (then these compare LibTorch's widened path with the same reference).
+  const bool own = apex::amp::detail::cpu_half_attention_available(at::kBFloat16);
+  EXPECT_EQ(apex::amp::detail::cpu_half_attention_available(at::kHalf), own);
   const int threads = at::get_num_threads();
-  enum Mask { kNone, kAdditive2d, kPadding, kFullRow };
+  enum Mask { kNone, kAdditive2d, kPadding, kFullRow, kPerQuery, kPerHead };
   struct Shape {
     int64_t b, h, lq, lk, d, dv;
     bool bhld_transposed, causal;
@@ -824,6 +827,10 @@ TEST(CpuHalfFallback, AttentionThroughOwnKernels) {
       {2, 2, 24, 40, 16, 16, false, false, std::nullopt, kAdditive2d},
       {3, 2, 30, 30, 16, 16, true, true, 0.5, kPadding},
       {2, 3, 12, 20, 8, 8, false, false, std::nullopt, kFullRow},
+      {2, 2, 16, 24, 8, 8, false, true, -0.4},  // a negative scale: the smallest score leads
+      {1, 1, 256, 256, 256, 256, true, false, std::nullopt},  // every buffer at its largest
+      {2, 2, 10, 14, 8, 8, false, false, std::nullopt, kPerQuery},
+      {2, 3, 10, 14, 8, 8, true, true, std::nullopt, kPerHead},
   };
   uint64_t seed = 300;
   for (const auto t : {at::kBFloat16, at::kHalf}) {
@@ -837,7 +844,11 @@ TEST(CpuHalfFallback, AttentionThroughOwnKernels) {
                                  : exact({s.b, s.h, l, d}, t, seed++);
       };
       const at::Tensor q = make(s.lq, s.d), k = make(s.lk, s.d), v = make(s.lk, s.dv);
-      const at::Tensor dout = exact({s.b, s.h, s.lq, s.dv}, t, seed++);
+      // The output's gradient strided (every other element of a wider one) where q is
+      // transposed, and broadcast over heads (a zero stride) otherwise.
+      const at::Tensor dout =
+          s.bhld_transposed ? exact({s.b, s.h, s.lq, 2 * s.dv}, t, seed++).slice(3, 0, 2 * s.dv, 2)
+                            : exact({s.b, 1, s.lq, s.dv}, t, seed++).expand({s.b, s.h, s.lq, s.dv});
       // Masks in the query's dtype, -inf where a key is hidden: [Lq, Lk] values and some -inf;
       // [B, 1, 1, Lk] hiding each sample's last keys (padding); [B, H, Lq, Lk] hiding every key of
       // one query (zeros out, as LibTorch's kernel).
@@ -850,6 +861,11 @@ TEST(CpuHalfFallback, AttentionThroughOwnKernels) {
         mask = at::zeros({s.b, 1, 1, s.lk}, q.options());
         for (int64_t i = 0; i < s.b; ++i)
           mask.index_put_({i, 0, 0, at::indexing::Slice(s.lk - 3 * i, at::indexing::None)}, -inf);
+      } else if (s.mask == kPerQuery) {  // [Lq, 1]: one value per query for every key
+        mask = exact({s.lq, 1}, t, seed++);
+      } else if (s.mask == kPerHead) {  // [1, H, Lq, Lk]: the cached widening changes per head
+        mask = exact({1, s.h, s.lq, s.lk}, t, seed++);
+        mask.masked_fill_(exact({1, s.h, s.lq, s.lk}, t, seed++).gt(1.2), -inf);
       } else if (s.mask == kFullRow) {
         mask = exact({s.b, s.h, s.lq, s.lk}, t, seed++);
         mask.index_put_({1, 2, 5}, -inf);
@@ -884,6 +900,12 @@ TEST(CpuHalfFallback, AttentionThroughOwnKernels) {
       EXPECT_TRUE(rounded_once(runs[0][2], wq)) << "dq";
       EXPECT_TRUE(rounded_once(runs[0][3], wk)) << "dk";
       EXPECT_TRUE(rounded_once(runs[0][4], wv)) << "dv";
+      // LibTorch's layouts: the output like the query, the gradients [B, L, H, D] transposed.
+      EXPECT_EQ(out.strides(), want.strides());
+      EXPECT_EQ(lse.strides(), want_lse.strides());
+      EXPECT_EQ(runs[0][2].strides(), wq.strides());
+      EXPECT_EQ(runs[0][3].strides(), wk.strides());
+      EXPECT_EQ(runs[0][4].strides(), wv.strides());
     }
     // NaN in a query, infinity in a key: where the fp32 kernel has NaN or infinity, so do we.
     {
@@ -907,6 +929,40 @@ TEST(CpuHalfFallback, AttentionThroughOwnKernels) {
     EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls(), before);
   }
   at::set_num_threads(threads);
+}
+
+// Attention's kernels also serve where LibTorch's half matmuls are fast (its half attention is
+// ~0.4x its fp32 kernel there): decided per dtype from the CPU and the environment, unforced
+// here. In a scope, attention takes them wherever they exist, a product only where the route
+// serves the dtype; outside a scope neither; APEX_CPU_HALF_FALLBACK=0 or
+// APEX_CPU_HALF_ATTENTION=0 (ctest runs both) leave attention to LibTorch's half kernel.
+TEST(CpuHalfFallback, AttentionKernelsServeWhereMatmulsAreFast) {
+  const auto off = [](const char* name) {
+    const char* env = std::getenv(name);
+    return env != nullptr && std::string(env) == "0";
+  };
+  const bool kernels = apex::amp::detail::cpu_half_own_gemm() && !off("APEX_CPU_HALF_ATTENTION");
+  for (const auto t : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(t));
+    const bool route = apex::amp::cpu_half_fallback_available(t);
+    const bool attention = kernels && !off("APEX_CPU_HALF_FALLBACK");
+    EXPECT_EQ(apex::amp::detail::cpu_half_attention_available(t), attention);
+    const at::Tensor q = exact({2, 2, 16, 8}, t, 400), a = exact({40, 40}, t, 401);
+    for (const bool scoped : {false, true}) {
+      const CpuHalfFallbackGuard guard(scoped);
+      EXPECT_EQ(apex::amp::cpu_half_fallback_active(),
+                scoped && (attention || apex::amp::cpu_half_fallback_available()));
+      const uint64_t gemm = apex::amp::detail::cpu_half_gemm_calls();
+      const uint64_t calls = apex::amp::detail::cpu_half_route_calls();
+      at::_scaled_dot_product_flash_attention_for_cpu(q, q, q);
+      EXPECT_EQ(apex::amp::detail::cpu_half_gemm_calls() - gemm, scoped && attention ? 1u : 0u);
+      const uint64_t after_attention = apex::amp::detail::cpu_half_route_calls();
+      EXPECT_EQ(after_attention - calls, scoped && (attention || route) ? 1u : 0u);
+      at::mm(a, a);
+      EXPECT_EQ(apex::amp::detail::cpu_half_route_calls() - after_attention,
+                scoped && route ? 1u : 0u);
+    }
+  }
 }
 
 // NaN and infinity reach the output as in the fp32 product rounded once, on every product path:

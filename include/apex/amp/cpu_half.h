@@ -68,6 +68,10 @@ uint64_t cpu_half_route_calls();
 /// (AVX2 and wider, unless APEX_CPU_HALF_GEMM=0), and how many op calls in this thread it took.
 bool cpu_half_own_gemm();
 uint64_t cpu_half_gemm_calls();
+/// Tests only: whether attention's own kernels (kernels/attention.h) serve `dtype` in the scope:
+/// wherever the route does, and where LibTorch's half matmuls are fast too (its half attention is
+/// not), unless APEX_CPU_HALF_FALLBACK=0 or APEX_CPU_HALF_ATTENTION=0.
+bool cpu_half_attention_available(c10::ScalarType dtype);
 }  // namespace detail
 
 }  // namespace apex::amp

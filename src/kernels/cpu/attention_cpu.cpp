@@ -147,8 +147,11 @@ void half_attention_forward(const HalfAttention& a, const HalfOut& out, float* l
     const bool masked = a.mask.p != nullptr;
     float* wm = masked ? Buffers::sized(buf.mask, a.lq * a.lk) : nullptr;
     const uint16_t* held = nullptr;
-    // With a mask the scores are scaled before it is added, and the exp's scale is 1.
-    const float scale = masked ? 1.0f : a.scale;
+    // Scaled in place first where a mask is added after the scale, or where the scale is not
+    // positive (the largest scaled score is then not the scaled largest score); otherwise the
+    // scale is fused into the exp.
+    const bool prescale = masked || !(a.scale > 0.0f);
+    const float scale = prescale ? 1.0f : a.scale;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bi = item / a.heads, hi = item % a.heads;
       const uint16_t* q = at_item(a.q, bi, hi);
@@ -163,6 +166,11 @@ void half_attention_forward(const HalfAttention& a, const HalfOut& out, float* l
         for (int64_t r = 0; r < a.lk; ++r) {
           float* row = s + r * nq;
           for (int64_t j = 0; j < a.lq; ++j) row[j] = row[j] * a.scale + wm[j * a.lk + r];
+        }
+      } else if (prescale) {
+        for (int64_t r = 0; r < a.lk; ++r) {
+          float* row = s + r * nq;
+          for (int64_t j = 0; j < a.lq; ++j) row[j] *= a.scale;
         }
       }
       if (a.causal) {  // key r sees queries from r on
@@ -225,7 +233,8 @@ void half_attention_backward(const HalfAttention& a, const HalfView& dout, const
     const bool masked = a.mask.p != nullptr;
     float* wm = masked ? Buffers::sized(buf.mask, a.lq * a.lk) : nullptr;
     const uint16_t* held = nullptr;
-    const float scale = masked ? 1.0f : a.scale;  // as in the forward
+    const bool prescale = masked || !(a.scale > 0.0f);  // as in the forward
+    const float scale = prescale ? 1.0f : a.scale;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bi = item / a.heads, hi = item % a.heads;
       const uint16_t* q = at_item(a.q, bi, hi);
@@ -251,6 +260,8 @@ void half_attention_backward(const HalfAttention& a, const HalfView& dout, const
         if (masked) {
           const float* mrow = wm + i * a.lk;
           for (int64_t j = 0; j < a.lk; ++j) row[j] = row[j] * a.scale + mrow[j];
+        } else if (prescale) {
+          for (int64_t j = 0; j < a.lk; ++j) row[j] *= a.scale;
         }
         if (a.causal && i + 1 < a.lk) std::fill(row + i + 1, row + a.lk, kMinusInf);
         std::fill(shift, shift + nk, l[i * lse_q]);
