@@ -34,7 +34,9 @@ bool cpu_half_fallback_active();
 /// table per dtype (correctly rounded); `x += bias` of a half x and an fp32 bias (LibTorch's C++
 /// Linear on an N-d input at O1) adds in one pass. Nested guards are fine; fp32/fp64 ops, CUDA
 /// tensors and other mixed dtypes go to LibTorch's own kernels unchanged, and where the fallback is
-/// not available the guard does nothing.
+/// not available the guard does nothing, but for attention: its own kernels (kernels/attention.h)
+/// also serve CPUs whose half matmuls LibTorch runs fast, since its half attention there is not
+/// (unless APEX_CPU_HALF_FALLBACK=0 or APEX_CPU_HALF_ATTENTION=0).
 ///
 ///   model->to(at::kBFloat16);
 ///   { apex::amp::CpuHalfFallbackGuard fast; loss = loss_fn(model->forward(x), y); loss.backward();
