@@ -156,7 +156,8 @@ struct GemmKernels {
                    int64_t ldc, bool accumulate);
   /// x[j] = exp(x[j] * scale - shift[j]) for j < n (attention's softmax, kernels/attention.h):
   /// within ~2 fp32 units of the exact value; 0 where the argument is below -87.3 (-inf: a
-  /// masked score), NaN where it is NaN.
+  /// masked score), exp(88.3) where it is above that (not infinity: the softmax's arguments are
+  /// at most ~0), NaN where it is NaN.
   void (*exp_shifted)(float* x, const float* shift, int64_t n, float scale);
 };
 
