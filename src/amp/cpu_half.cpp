@@ -895,14 +895,18 @@ struct QuietRegistration : c10::WarningHandler {
   }
 };
 
+// A library of CPU kernels for aten's ops, registered quietly (see above). It lives as long as
+// the process: the kernels check the thread's guard depth themselves.
+torch::Library* cpu_library(const char* file, uint32_t line) {
+  return new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::CPU, file, line);
+}
+
 void register_kernels() {
   static std::once_flag once;
   std::call_once(once, [] {
     QuietRegistration quiet;
     const c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-    // Lives as long as the process: the kernels check the thread's guard depth themselves.
-    static auto* lib =
-        new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::CPU, __FILE__, __LINE__);
+    static auto* lib = cpu_library(__FILE__, __LINE__);
     lib->impl("mm", TORCH_FN(mm));
     lib->impl("bmm", TORCH_FN(bmm));
     lib->impl("addmm", TORCH_FN(addmm));
@@ -954,8 +958,7 @@ void register_attention_kernels() {
   std::call_once(once, [] {
     QuietRegistration quiet;
     const c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-    static auto* lib =
-        new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::CPU, __FILE__, __LINE__);
+    static auto* lib = cpu_library(__FILE__, __LINE__);
     lib->impl("_scaled_dot_product_flash_attention_for_cpu", TORCH_FN(flash_attention));
     lib->impl("_scaled_dot_product_flash_attention_for_cpu_backward",
               TORCH_FN(flash_attention_backward));

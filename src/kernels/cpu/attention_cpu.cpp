@@ -28,6 +28,9 @@ int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 // Per-thread buffers, kept between calls (at most ~1.6 MiB: six blocks of 258 x 256 floats).
 struct Buffers {
   std::vector<float> pa, pb, s, dp, c, rows, mask;
+  // The packed operands' room: any product's A (rows rounded up to kGemmMr) and B.
+  float* pack_a() { return sized(pa, (kAttentionMaxLength + kGemmMr) * kAttentionMaxLength); }
+  float* pack_b() { return sized(pb, kAttentionMaxLength * kAttentionMaxLength); }
   static float* sized(std::vector<float>& v, int64_t n) {
     // 64-byte aligned (B's panels are loaded aligned), room past the end for the packs' stores.
     if (static_cast<int64_t>(v.size()) < n + 32) v.resize(static_cast<size_t>(n + 32));
@@ -118,6 +121,11 @@ void check(const HalfAttention& a) {
 
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
+// Whether the scores are scaled in place first (forward and backward alike): where a mask is
+// added after the scale, or where the scale is not positive (the largest scaled score is then not
+// the scaled largest score). Otherwise the scale is fused into the exp.
+bool prescaled(const HalfAttention& a) { return a.mask.p != nullptr || !(a.scale > 0.0f); }
+
 }  // namespace
 
 bool half_attention_available() {
@@ -134,9 +142,8 @@ void half_attention_forward(const HalfAttention& a, const HalfOut& out, float* l
   const int64_t nq = round_up(a.lq, kern.nr), ndv = round_up(a.dv, kern.nr);
   at::parallel_for(0, a.batch * a.heads, 1, [&](int64_t begin, int64_t end) {
     Buffers& buf = buffers;
-    float* pa =
-        Buffers::sized(buf.pa, round_up(kAttentionMaxLength, kGemmMr) * kAttentionMaxLength);
-    float* pb = Buffers::sized(buf.pb, kAttentionMaxLength * kAttentionMaxLength);
+    float* pa = buf.pack_a();
+    float* pb = buf.pack_b();
     float* s = Buffers::sized(buf.s, round_up(a.lk, kGemmMr) * nq);
     float* c = Buffers::sized(buf.c, round_up(a.lq, kGemmMr) * ndv);
     float* rows = Buffers::sized(buf.rows, 3 * nq + ndv);
@@ -147,10 +154,7 @@ void half_attention_forward(const HalfAttention& a, const HalfOut& out, float* l
     const bool masked = a.mask.p != nullptr;
     float* wm = masked ? Buffers::sized(buf.mask, a.lq * a.lk) : nullptr;
     const uint16_t* held = nullptr;
-    // Scaled in place first where a mask is added after the scale, or where the scale is not
-    // positive (the largest scaled score is then not the scaled largest score); otherwise the
-    // scale is fused into the exp.
-    const bool prescale = masked || !(a.scale > 0.0f);
+    const bool prescale = prescaled(a);
     const float scale = prescale ? 1.0f : a.scale;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bi = item / a.heads, hi = item % a.heads;
@@ -217,9 +221,8 @@ void half_attention_backward(const HalfAttention& a, const HalfView& dout, const
   const int64_t nd = round_up(a.d, kern.nr), ndv = round_up(a.dv, kern.nr);
   at::parallel_for(0, a.batch * a.heads, 1, [&](int64_t begin, int64_t end) {
     Buffers& buf = buffers;
-    float* pa =
-        Buffers::sized(buf.pa, round_up(kAttentionMaxLength, kGemmMr) * kAttentionMaxLength);
-    float* pb = Buffers::sized(buf.pb, kAttentionMaxLength * kAttentionMaxLength);
+    float* pa = buf.pack_a();
+    float* pb = buf.pack_b();
     const int64_t lq6 = round_up(a.lq, kGemmMr);
     float* s = Buffers::sized(buf.s, lq6 * nk);
     float* dp = Buffers::sized(buf.dp, lq6 * nk);
@@ -233,7 +236,7 @@ void half_attention_backward(const HalfAttention& a, const HalfView& dout, const
     const bool masked = a.mask.p != nullptr;
     float* wm = masked ? Buffers::sized(buf.mask, a.lq * a.lk) : nullptr;
     const uint16_t* held = nullptr;
-    const bool prescale = masked || !(a.scale > 0.0f);  // as in the forward
+    const bool prescale = prescaled(a);
     const float scale = prescale ? 1.0f : a.scale;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bi = item / a.heads, hi = item % a.heads;
