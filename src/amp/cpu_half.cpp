@@ -59,6 +59,12 @@ thread_local uint64_t route_calls = 0;  // calls the route took in this thread (
 thread_local uint64_t gemm_calls = 0;   // of them, apex's own product (tests)
 std::atomic<int> forced{-1};            // -1: decide; 0/1: tests' choice
 
+// Whether the environment variable `name` is set to `value`.
+bool env_is(const char* name, const char* value) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::strcmp(env, value) == 0;
+}
+
 // Per dtype: a CPU can be fast in one and slow in the other (AVX512-BF16 without AVX512-FP16, as
 // AMD Zen 4/5 and Intel Cooper Lake: bf16 through oneDNN, fp16 in a scalar loop). Intel's
 // AVX-512 servers before them (Skylake to Ice Lake) take both: oneDNN's bf16 emulation there is
@@ -66,9 +72,8 @@ std::atomic<int> forced{-1};            // -1: decide; 0/1: tests' choice
 bool decide(at::ScalarType dtype) {
   // "0" turns it off, "1" on even where LibTorch's half path is fast (to compare or profile it
   // there); anything else: decided from the CPU.
-  const char* env = std::getenv("APEX_CPU_HALF_FALLBACK");
-  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
-  if (env != nullptr && std::strcmp(env, "1") == 0) return true;
+  if (env_is("APEX_CPU_HALF_FALLBACK", "0")) return false;
+  if (env_is("APEX_CPU_HALF_FALLBACK", "1")) return true;
   return !cpu_half_matmul_is_fast(dtype);
 }
 
@@ -106,10 +111,7 @@ at::Tensor wide(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : t
 // rounding on the transformer's shapes, and faster than MKL's fp32 product alone on these AMD
 // hosts (docs/benchmarks.md, "One pass").
 bool own_gemm() {
-  static const bool on = [] {
-    const char* env = std::getenv("APEX_CPU_HALF_GEMM");
-    return kernels::cpu::half_gemm_available() && !(env != nullptr && std::strcmp(env, "0") == 0);
-  }();
+  static const bool on = kernels::cpu::half_gemm_available() && !env_is("APEX_CPU_HALF_GEMM", "0");
   return on;
 }
 
@@ -567,21 +569,15 @@ at::Tensor wide_mask(const at::Tensor& m) {
 // (own_gemm), and APEX_CPU_HALF_ATTENTION is not "0" (to compare with widening, or with
 // LibTorch's half kernels where the route is off).
 bool own_attention_kernels() {
-  static const bool on = [] {
-    const char* env = std::getenv("APEX_CPU_HALF_ATTENTION");
-    return own_gemm() && kernels::cpu::half_attention_available() &&
-           !(env != nullptr && std::strcmp(env, "0") == 0);
-  }();
+  static const bool on = own_gemm() && kernels::cpu::half_attention_available() &&
+                         !env_is("APEX_CPU_HALF_ATTENTION", "0");
   return on;
 }
 
 // Whether the kernels serve half dtypes the route does not (where LibTorch's matmuls are fast):
 // unless APEX_CPU_HALF_FALLBACK=0.
 bool attention_beyond_route() {
-  static const bool on = [] {
-    const char* env = std::getenv("APEX_CPU_HALF_FALLBACK");
-    return !(env != nullptr && std::strcmp(env, "0") == 0);
-  }();
+  static const bool on = !env_is("APEX_CPU_HALF_FALLBACK", "0");
   return on;
 }
 

@@ -102,13 +102,25 @@ CpuHalfSupport detect() {
 CpuHalfSupport detect() { return {}; }
 #endif
 
-// oneDNN's own reading: ONEDNN_MAX_CPU_ISA, else the older DNNL_MAX_CPU_ISA; a name it does not
-// know leaves it unlimited.
+// The variable oneDNN reads its ISA limit from, as it does: ONEDNN_MAX_CPU_ISA, else the older
+// DNNL_MAX_CPU_ISA (an empty one as unset); value null where neither is set.
+struct OnednnLimitEnv {
+  const char* name;
+  const char* value;
+};
+OnednnLimitEnv onednn_limit_env() {
+  for (const char* name : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"}) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && *value != '\0') return {name, value};
+  }
+  return {"ONEDNN_MAX_CPU_ISA", nullptr};
+}
+
+// A name oneDNN does not know leaves it unlimited.
 OnednnIsa onednn_limit_from_env() {
-  const char* value = std::getenv("ONEDNN_MAX_CPU_ISA");
-  if (value == nullptr || *value == '\0') value = std::getenv("DNNL_MAX_CPU_ISA");
-  if (value == nullptr || *value == '\0') return OnednnIsa::kAll;
-  return onednn_isa_from_name(value).value_or(OnednnIsa::kAll);
+  const OnednnLimitEnv env = onednn_limit_env();
+  if (env.value == nullptr) return OnednnIsa::kAll;
+  return onednn_isa_from_name(env.value).value_or(OnednnIsa::kAll);
 }
 
 }  // namespace
@@ -219,11 +231,8 @@ std::string cpu_half_matmul_slow_reason(c10::ScalarType dtype) {
   CpuHalfSupport unlimited = cpu_half_support();
   unlimited.onednn_max_isa = OnednnIsa::kAll;
   if (cpu_half_matmul_kind(dtype, unlimited) != kind) {
-    const char* value = std::getenv("ONEDNN_MAX_CPU_ISA");
-    const bool onednn = value != nullptr && *value != '\0';
-    const char* name = onednn ? "ONEDNN_MAX_CPU_ISA" : "DNNL_MAX_CPU_ISA";
-    if (!onednn) value = std::getenv(name);
-    return how + " here: " + name + "=" + (value != nullptr ? value : "") +
+    const OnednnLimitEnv env = onednn_limit_env();
+    return how + " here: " + env.name + "=" + (env.value != nullptr ? env.value : "") +
            " keeps oneDNN from this CPU's instructions for them";
   }
   if (kind == CpuHalfMatmul::kEmulated) return how + " on this CPU (AVX-512 without AVX512-BF16)";
