@@ -96,17 +96,6 @@ void store_rows(const MultiTensorKernels& mt, float* c, int64_t ldc, int64_t row
   }
 }
 
-// The item's mask widened into wm [lq, lk] (row per query), unless it is the one there already
-// (`held`: a broadcast mask is widened once per thread).
-void widen_mask(const MultiTensorKernels& mt, const HalfAttention& a, int64_t bi, int64_t hi,
-                float* wm, const uint16_t*& held) {
-  const uint16_t* m = at_item(a.mask, bi, hi);
-  if (m == held) return;
-  for (int64_t i = 0; i < a.lq; ++i)
-    load_row(mt, m + i * a.mask.r, a.mask.c, a.lk, a.t, wm + i * a.lk);
-  held = m;
-}
-
 void check(const HalfAttention& a) {
   TORCH_CHECK(a.t == DType::kBFloat16 || a.t == DType::kFloat16,
               "apex half_attention: expected bf16 or fp16 elements");
@@ -121,10 +110,65 @@ void check(const HalfAttention& a) {
 
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
-// Whether the scores are scaled in place first (forward and backward alike): where a mask is
-// added after the scale, or where the scale is not positive (the largest scaled score is then not
-// the scaled largest score). Otherwise the scale is fused into the exp.
-bool prescaled(const HalfAttention& a) { return a.mask.p != nullptr || !(a.scale > 0.0f); }
+// What the forward and the backward do alike to an item's scores before the exp, in either
+// layout, per thread and call. The scores are scaled in place first where a mask is added after
+// the scale, or where the scale is not positive (the largest scaled score is then not the scaled
+// largest score); otherwise the scale is fused into the exp.
+class Scores {
+ public:
+  Scores(const HalfAttention& a, Buffers& buf, const MultiTensorKernels& mt)
+      : a_(a),
+        mt_(mt),
+        prescale_(a.mask.p != nullptr || !(a.scale > 0.0f)),
+        wm_(a.mask.p != nullptr ? Buffers::sized(buf.mask, a.lq * a.lk) : nullptr) {}
+
+  /// The scale left to the exp: 1 where the scores were scaled in place.
+  float exp_scale() const { return prescale_ ? 1.0f : a_.scale; }
+
+  /// Item (bi, hi)'s scores, a row per query (`by_query`) or per key, rows `ld` apart: scaled in
+  /// place where prescaled, the mask added, -inf for keys after a query where causal.
+  void prepare(int64_t bi, int64_t hi, float* s, int64_t ld, bool by_query) {
+    const float* m = mask(bi, hi);
+    const int64_t rows = by_query ? a_.lq : a_.lk, cols = by_query ? a_.lk : a_.lq;
+    // The mask's element for (row r, column c): it is held a row per query.
+    const int64_t m_r = by_query ? a_.lk : 1, m_c = by_query ? 1 : a_.lk;
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = s + r * ld;
+      if (m != nullptr) {
+        for (int64_t c = 0; c < cols; ++c) row[c] = row[c] * a_.scale + m[r * m_r + c * m_c];
+      } else if (prescale_) {
+        for (int64_t c = 0; c < cols; ++c) row[c] *= a_.scale;
+      }
+      if (!a_.causal) continue;
+      if (by_query) {  // query r sees keys up to r
+        if (r + 1 < a_.lk) std::fill(row + r + 1, row + a_.lk, kMinusInf);
+      } else {  // key r is seen by queries from r on
+        std::fill(row, row + std::min(r, a_.lq), kMinusInf);
+      }
+    }
+  }
+
+ private:
+  // The item's mask widened [lq, lk], a row per query (null: none), unless it is the one held
+  // already (a broadcast mask is widened once per thread and call).
+  const float* mask(int64_t bi, int64_t hi) {
+    if (wm_ == nullptr) return nullptr;
+    const uint16_t* m = at_item(a_.mask, bi, hi);
+    if (m != held_) {
+      for (int64_t i = 0; i < a_.lq; ++i) {
+        load_row(mt_, m + i * a_.mask.r, a_.mask.c, a_.lk, a_.t, wm_ + i * a_.lk);
+      }
+      held_ = m;
+    }
+    return wm_;
+  }
+
+  const HalfAttention& a_;
+  const MultiTensorKernels& mt_;
+  bool prescale_;
+  float* wm_;
+  const uint16_t* held_ = nullptr;
+};
 
 }  // namespace
 
@@ -151,11 +195,8 @@ void half_attention_forward(const HalfAttention& a, const HalfOut& out, float* l
     float* shift = m + nq;    // scale * m
     float* sum = shift + nq;  // the sum of exp(scale * score - shift)
     float* room = sum + nq;   // a rounded row
-    const bool masked = a.mask.p != nullptr;
-    float* wm = masked ? Buffers::sized(buf.mask, a.lq * a.lk) : nullptr;
-    const uint16_t* held = nullptr;
-    const bool prescale = prescaled(a);
-    const float scale = prescale ? 1.0f : a.scale;
+    Scores scores(a, buf, mt);
+    const float scale = scores.exp_scale();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bi = item / a.heads, hi = item % a.heads;
       const uint16_t* q = at_item(a.q, bi, hi);
@@ -165,22 +206,7 @@ void half_attention_forward(const HalfAttention& a, const HalfOut& out, float* l
       kern.pack_a(k, a.k.r, a.k.c, a.lk, a.lk, a.d, pa, t);
       kern.pack_b(q, a.q.c, a.q.r, a.lq, a.lq, a.d, pb, t);
       kern.multiply(pa, pb, a.lk, nq, a.d, s, nq, false);
-      if (masked) {
-        widen_mask(mt, a, bi, hi, wm, held);
-        for (int64_t r = 0; r < a.lk; ++r) {
-          float* row = s + r * nq;
-          for (int64_t j = 0; j < a.lq; ++j) row[j] = row[j] * a.scale + wm[j * a.lk + r];
-        }
-      } else if (prescale) {
-        for (int64_t r = 0; r < a.lk; ++r) {
-          float* row = s + r * nq;
-          for (int64_t j = 0; j < a.lq; ++j) row[j] *= a.scale;
-        }
-      }
-      if (a.causal) {  // key r sees queries from r on
-        for (int64_t r = 1; r < a.lk; ++r)
-          std::fill(s + r * nq, s + r * nq + std::min(r, a.lq), kMinusInf);
-      }
+      scores.prepare(bi, hi, s, nq, false);
       std::fill(m, m + nq, kMinusInf);
       for (int64_t r = 0; r < a.lk; ++r) {
         const float* row = s + r * nq;
@@ -233,11 +259,8 @@ void half_attention_backward(const HalfAttention& a, const HalfView& dout, const
     float* wdo = wo + a.dv;     // a row of dout, widened
     float* dsum = wdo + a.dv;   // per query: rowsum(dO * out)
     float* room = dsum + a.lq;  // a rounded row
-    const bool masked = a.mask.p != nullptr;
-    float* wm = masked ? Buffers::sized(buf.mask, a.lq * a.lk) : nullptr;
-    const uint16_t* held = nullptr;
-    const bool prescale = prescaled(a);
-    const float scale = prescale ? 1.0f : a.scale;
+    Scores scores(a, buf, mt);
+    const float scale = scores.exp_scale();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bi = item / a.heads, hi = item % a.heads;
       const uint16_t* q = at_item(a.q, bi, hi);
@@ -257,16 +280,9 @@ void half_attention_backward(const HalfAttention& a, const HalfView& dout, const
       kern.pack_a(q, a.q.r, a.q.c, a.lq, a.lq, a.d, pa, t);
       kern.pack_b(k, a.k.c, a.k.r, a.lk, a.lk, a.d, pb, t);
       kern.multiply(pa, pb, a.lq, nk, a.d, s, nk, false);
-      if (masked) widen_mask(mt, a, bi, hi, wm, held);
+      scores.prepare(bi, hi, s, nk, true);
       for (int64_t i = 0; i < a.lq; ++i) {
         float* row = s + i * nk;
-        if (masked) {
-          const float* mrow = wm + i * a.lk;
-          for (int64_t j = 0; j < a.lk; ++j) row[j] = row[j] * a.scale + mrow[j];
-        } else if (prescale) {
-          for (int64_t j = 0; j < a.lk; ++j) row[j] *= a.scale;
-        }
-        if (a.causal && i + 1 < a.lk) std::fill(row + i + 1, row + a.lk, kMinusInf);
         std::fill(shift, shift + nk, l[i * lse_q]);
         kern.exp_shifted(row, shift, nk, scale);
       }
