@@ -166,6 +166,28 @@ inline Reg reg_splat(const float* p) { return _mm512_set1_ps(*p); }
 inline Reg reg_fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
 inline Reg reg_add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
 inline Reg reg_sub(Reg a, Reg b) { return _mm512_sub_ps(a, b); }
+// For the exp. The maskz forms with a full mask: the plain ones trip GCC 12's maybe-uninitialized
+// warning.
+constexpr __mmask16 kAll = 0xffff;
+inline Reg reg_set(float v) { return _mm512_set1_ps(v); }
+inline Reg reg_mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
+inline Reg reg_min(Reg a, Reg b) { return _mm512_maskz_min_ps(kAll, a, b); }
+inline Reg reg_max(Reg a, Reg b) { return _mm512_maskz_max_ps(kAll, a, b); }
+inline Reg reg_fnma(Reg a, Reg b, Reg c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
+inline Reg reg_round(Reg a) {
+  return _mm512_maskz_roundscale_ps(kAll, a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+// 2^n for whole n in [-126, 127].
+inline Reg reg_pow2(Reg n) {
+  const __m512i e = _mm512_add_epi32(_mm512_maskz_cvtps_epi32(kAll, n), _mm512_set1_epi32(127));
+  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAll, e, 23));
+}
+// v, but 0 where t < low and t where t is NaN.
+inline Reg reg_exp_edges(Reg t, Reg v, float low) {
+  const __mmask16 nan = _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q);
+  const __mmask16 below = _mm512_cmp_ps_mask(t, _mm512_set1_ps(low), _CMP_LT_OQ);
+  return _mm512_mask_mov_ps(_mm512_maskz_mov_ps(static_cast<__mmask16>(~below), v), nan, t);
+}
 #else
 using Reg = __m256;
 inline Reg reg_zero() { return _mm256_setzero_ps(); }
@@ -176,6 +198,26 @@ inline Reg reg_splat(const float* p) { return _mm256_broadcast_ss(p); }
 inline Reg reg_fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
 inline Reg reg_add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
 inline Reg reg_sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
+// For the exp.
+inline Reg reg_set(float v) { return _mm256_set1_ps(v); }
+inline Reg reg_mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
+inline Reg reg_min(Reg a, Reg b) { return _mm256_min_ps(a, b); }
+inline Reg reg_max(Reg a, Reg b) { return _mm256_max_ps(a, b); }
+inline Reg reg_fnma(Reg a, Reg b, Reg c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a b
+inline Reg reg_round(Reg a) {
+  return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+// 2^n for whole n in [-126, 127].
+inline Reg reg_pow2(Reg n) {
+  const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+}
+// v, but 0 where t < low and t where t is NaN.
+inline Reg reg_exp_edges(Reg t, Reg v, float low) {
+  const Reg nan = _mm256_cmp_ps(t, t, _CMP_UNORD_Q);
+  const Reg below = _mm256_cmp_ps(t, _mm256_set1_ps(low), _CMP_LT_OQ);
+  return _mm256_blendv_ps(_mm256_andnot_ps(below, v), t, nan);
+}
 #endif
 constexpr int64_t kRegLanes = kNr / 2;
 
@@ -233,52 +275,20 @@ void multiply(const float* a, const float* b, int64_t mc, int64_t ncp, int64_t k
 // exp by range reduction: t = n ln2 + r with n = round(t / ln2), |r| <= ln2 / 2 (ln2 in two
 // parts, the first exact in a few bits, so n ln2 is subtracted without error), e^r by its degree-6
 // polynomial (the minimax coefficients of Cephes' expf), times 2^n built in the exponent bits.
-#if defined(__AVX512F__)
-// The maskz forms with a full mask: the plain ones trip GCC 12's maybe-uninitialized warning.
+// Arguments are clamped to [-87.3, 88.3] (2^n then normal); below, 0; NaN stays NaN.
 inline Reg reg_exp(Reg t) {
-  constexpr __mmask16 all = 0xffff;
-  const __mmask16 nan = _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
-  const Reg x = _mm512_maskz_min_ps(all, _mm512_maskz_max_ps(all, t, _mm512_set1_ps(-87.3f)),
-                                    _mm512_set1_ps(88.3f));
-  const Reg n = _mm512_maskz_roundscale_ps(all, _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Reg r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  Reg p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const Reg y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_maskz_slli_epi32(
-      all, _mm512_add_epi32(_mm512_maskz_cvtps_epi32(all, n), _mm512_set1_epi32(127)), 23);
-  const Reg v = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-  return _mm512_mask_mov_ps(_mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), v), nan, t);
+  const Reg x = reg_min(reg_max(t, reg_set(-87.3f)), reg_set(88.3f));
+  const Reg n = reg_round(reg_mul(x, reg_set(1.44269504f)));
+  const Reg r = reg_fnma(n, reg_set(-2.12194440e-4f), reg_fnma(n, reg_set(0.693359375f), x));
+  Reg p = reg_set(1.9875691500e-4f);
+  p = reg_fma(p, r, reg_set(1.3981999507e-3f));
+  p = reg_fma(p, r, reg_set(8.3334519073e-3f));
+  p = reg_fma(p, r, reg_set(4.1665795894e-2f));
+  p = reg_fma(p, r, reg_set(1.6666665459e-1f));
+  p = reg_fma(p, r, reg_set(5.0000001201e-1f));
+  const Reg y = reg_add(reg_fma(p, reg_mul(r, r), r), reg_set(1.0f));
+  return reg_exp_edges(t, reg_mul(y, reg_pow2(n)), -87.3f);
 }
-#else
-inline Reg reg_exp(Reg t) {
-  const Reg nan = _mm256_cmp_ps(t, t, _CMP_UNORD_Q);
-  const Reg tiny = _mm256_cmp_ps(t, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
-  const Reg x = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const Reg n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Reg r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  Reg p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const Reg y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  const __m256i e =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const Reg v = _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-  return _mm256_blendv_ps(v, t, nan);
-}
-#endif
 
 void exp_shifted(float* x, const float* shift, int64_t n, float scale) {
   constexpr int64_t w = kRegLanes;
