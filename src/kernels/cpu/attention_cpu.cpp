@@ -62,6 +62,16 @@ uint16_t* at_item(const HalfOut& x, int64_t bi, int64_t hi) {
   return static_cast<uint16_t*>(x.p) + bi * x.b + hi * x.h;
 }
 
+// One (batch, head) item of the parallel loops: its indices and its q, k and v.
+struct Item {
+  int64_t bi, hi;
+  const uint16_t *q, *k, *v;
+};
+Item item_of(const HalfAttention& a, int64_t item) {
+  const int64_t bi = item / a.heads, hi = item % a.heads;
+  return {bi, hi, at_item(a.q, bi, hi), at_item(a.k, bi, hi), at_item(a.v, bi, hi)};
+}
+
 // n elements at src[j * stride] widened into dst.
 void load_row(const MultiTensorKernels& mt, const uint16_t* src, int64_t stride, int64_t n, DType t,
               float* dst) {
@@ -198,10 +208,7 @@ void half_attention_forward(const HalfAttention& a, const HalfOut& out, float* l
     Scores scores(a, buf, mt);
     const float scale = scores.exp_scale();
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t bi = item / a.heads, hi = item % a.heads;
-      const uint16_t* q = at_item(a.q, bi, hi);
-      const uint16_t* k = at_item(a.k, bi, hi);
-      const uint16_t* v = at_item(a.v, bi, hi);
+      const auto [bi, hi, q, k, v] = item_of(a, item);
       // S^T = K Q^T: a row per key, a column per query (padding columns zero).
       kern.pack_a(k, a.k.r, a.k.c, a.lk, a.lk, a.d, pa, t);
       kern.pack_b(q, a.q.c, a.q.r, a.lq, a.lq, a.d, pb, t);
@@ -262,10 +269,7 @@ void half_attention_backward(const HalfAttention& a, const HalfView& dout, const
     Scores scores(a, buf, mt);
     const float scale = scores.exp_scale();
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t bi = item / a.heads, hi = item % a.heads;
-      const uint16_t* q = at_item(a.q, bi, hi);
-      const uint16_t* k = at_item(a.k, bi, hi);
-      const uint16_t* v = at_item(a.v, bi, hi);
+      const auto [bi, hi, q, k, v] = item_of(a, item);
       const uint16_t* go = at_item(dout, bi, hi);
       const uint16_t* o = at_item(out, bi, hi);
       const float* l = lse + bi * lse_b + hi * lse_h;
