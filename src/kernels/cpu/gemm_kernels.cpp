@@ -275,9 +275,10 @@ void multiply(const float* a, const float* b, int64_t mc, int64_t ncp, int64_t k
 // exp by range reduction: t = n ln2 + r with n = round(t / ln2), |r| <= ln2 / 2 (ln2 in two
 // parts, the first exact in a few bits, so n ln2 is subtracted without error), e^r by its degree-6
 // polynomial (the minimax coefficients of Cephes' expf), times 2^n built in the exponent bits.
-// Arguments are clamped to [-87.3, 88.3] (2^n then normal); below, 0; NaN stays NaN.
+// Arguments are clamped to [kExpLow, kExpHigh] (2^n then normal); below, 0; NaN stays NaN.
+constexpr float kExpLow = -87.3f, kExpHigh = 88.3f;
 inline Reg reg_exp(Reg t) {
-  const Reg x = reg_min(reg_max(t, reg_set(-87.3f)), reg_set(88.3f));
+  const Reg x = reg_min(reg_max(t, reg_set(kExpLow)), reg_set(kExpHigh));
   const Reg n = reg_round(reg_mul(x, reg_set(1.44269504f)));
   const Reg r = reg_fnma(n, reg_set(-2.12194440e-4f), reg_fnma(n, reg_set(0.693359375f), x));
   Reg p = reg_set(1.9875691500e-4f);
@@ -287,7 +288,7 @@ inline Reg reg_exp(Reg t) {
   p = reg_fma(p, r, reg_set(1.6666665459e-1f));
   p = reg_fma(p, r, reg_set(5.0000001201e-1f));
   const Reg y = reg_add(reg_fma(p, reg_mul(r, r), r), reg_set(1.0f));
-  return reg_exp_edges(t, reg_mul(y, reg_pow2(n)), -87.3f);
+  return reg_exp_edges(t, reg_mul(y, reg_pow2(n)), kExpLow);
 }
 
 void exp_shifted(float* x, const float* shift, int64_t n, float scale) {
