@@ -37,6 +37,27 @@ if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
   endforeach()
 endif()
 
+# The torch wheel links kineto into libtorch_cpu and ships no libkineto, so TorchConfig.cmake warns
+# "library kineto not found" on every configure; naming libtorch_cpu as kineto's library is true
+# and silences it (apex_cppConfig.cmake does the same for consumers).
+if(NOT kineto_LIBRARY)
+  set(_apex_torch_lib "")
+  if(Torch_DIR)
+    set(_apex_torch_lib "${Torch_DIR}/../../../lib")
+  elseif(APEX_PYTHON_EXECUTABLE)
+    execute_process(
+      COMMAND ${APEX_PYTHON_EXECUTABLE} -c
+              "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))"
+      OUTPUT_VARIABLE _apex_torch_lib OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  endif()
+  if(_apex_torch_lib AND EXISTS "${_apex_torch_lib}/libtorch_cpu.so"
+     AND NOT EXISTS "${_apex_torch_lib}/libkineto.a")
+    get_filename_component(_apex_torch_lib "${_apex_torch_lib}" REALPATH)
+    set(kineto_LIBRARY "${_apex_torch_lib}/libtorch_cpu.so"
+        CACHE FILEPATH "kineto is linked into this LibTorch's libtorch_cpu" FORCE)
+  endif()
+endif()
+
 find_package(Torch QUIET CONFIG)
 if(NOT Torch_FOUND)
   if(NOT APEX_PYTHON_EXECUTABLE)

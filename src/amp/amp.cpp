@@ -2,6 +2,7 @@
 #include <apex/amp/utils.h>
 #include <apex/parallel/no_sync_count.h>
 
+#include "amp/half_model_check.h"
 #include "amp/unscale.h"
 #include "common/io.h"
 
@@ -16,9 +17,11 @@
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <exception>
 #include <iostream>
 #include <mutex>
+#include <string_view>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -32,6 +35,13 @@ struct Slot {
   at::Tensor master;
   bool copy = false;
   at::Tensor stash;  // unscaled gradient set aside while a new backward runs
+  // The master's version when the model last matched it: a different one means something else
+  // (the user's own optimizer.step()) changed it since.
+  int64_t master_version = 0;
+  // Copy slots: the model gradient left after its fold into the master gradient, and its version.
+  // If the user clears or zeroes it (model->zero_grad()), the master gradient starts afresh too.
+  at::Tensor folded_grad;
+  int64_t folded_version = 0;
 };
 
 struct OptimizerEntry {
@@ -42,6 +52,13 @@ struct OptimizerEntry {
   bool backward_since_step = false;
   bool overflowed = false;  // a resolved overflow check hit this optimizer since its last step
   int64_t skipped = 0;
+  // amp.step() steps this optimizer (it was called once). Until then the user's own
+  // optimizer.step() may: overflow checks are read at the end of each scale_loss scope, so that
+  // such a step already finds the gradients cleared, and O2's masters are copied into the model
+  // at the next forward or scale_loss after a backward (`dirty`), since LibTorch's optimizers
+  // have no step hooks and not all of them bump their parameters' version counters.
+  bool amp_steps = false;
+  bool dirty = false;
   // Options::unscale_in_optimizer: the gradients are still scaled; this 0-dim fp32 tensor is the
   // factor the fused optimizer applies in its kernel.
   at::Tensor deferred_inv;
@@ -65,8 +82,13 @@ struct AmpState {
   // Static scale 1.0 without master weights: apex's fast path, no unscale and no check.
   bool fast_path = false;
   bool unscale_in_optimizer = false;
+  // O2/O3: a model cast to half, called with fp32 input outside forward(), gets amp's message.
+  std::optional<HalfModelCheck> half_model_check;
 
   ~AmpState();
+  /// Whether this process prints amp's messages: verbosity 1 prints on rank 0 of a job only
+  /// (RANK, as torchrun and apex-train set it), verbosity 2 on every rank.
+  bool log_rank() const;
   void rethrow_deferred();
   std::vector<size_t> targets_of(const ScaleLossOptions& options) const;
   template <typename Pred>
@@ -76,6 +98,12 @@ struct AmpState {
   void abandon(const std::vector<size_t>& targets);
   void clear_grads(OptimizerEntry& e);
   void copy_masters_to_model(OptimizerEntry& e);
+  static void record_versions(OptimizerEntry& e);
+  /// Notices the user's own optimizer.step() (or any other change to the parameters the optimizer
+  /// holds) since the last sync: copies the fp32 masters into the model and ends the iteration.
+  /// Returns true when a step after a backward was seen.
+  bool sync(OptimizerEntry& e);
+  void sync_all();
   static void materialize_deferred(OptimizerEntry& e);
   bool can_defer(const OptimizerEntry& e) const;
   bool step(const std::vector<size_t>& indices);
@@ -103,6 +131,12 @@ bool computes_in_half(const Properties& p) {
 AmpState::~AmpState() {
   std::lock_guard<std::mutex> lock(registry_mutex());
   for (const auto& e : entries) registry().erase(e.optimizer);
+}
+
+bool AmpState::log_rank() const {
+  if (verbosity >= 2) return true;
+  const char* rank = std::getenv("RANK");
+  return rank == nullptr || *rank == '\0' || std::string_view(rank) == "0";
 }
 
 void AmpState::rethrow_deferred() {
@@ -153,8 +187,17 @@ void AmpState::resolve(Pred&& pred) {
     auto& scaler = scalers[static_cast<size_t>(check.loss_id)];
     scaler.update(overflow);
     if (overflow) {
-      for (size_t t : check.targets) entries[t].overflowed = true;
-      if (verbosity > 0) {
+      for (size_t t : check.targets) {
+        auto& e = entries[t];
+        // One skipped step per overflowing window under amp.step(); under the user's own step()
+        // every overflowing scope is followed by a step() that the cleared gradients skip.
+        if (!e.overflowed || !e.amp_steps) e.skipped += 1;
+        e.overflowed = true;
+        // Undefined gradients: the next optimizer.step(), amp's or the user's, skips them (as
+        // LibTorch's and apex's optimizers skip a parameter without a gradient).
+        clear_grads(e);
+      }
+      if (verbosity > 0 && log_rank()) {
         std::cerr << "apex::amp: gradient overflow, skipping step; loss scaler " << check.loss_id
                   << " now at loss scale " << scaler.loss_scale() << '\n';
       }
@@ -176,7 +219,9 @@ void AmpState::materialize_deferred(OptimizerEntry& e) {
 }
 
 bool AmpState::can_defer(const OptimizerEntry& e) const {
-  if (!unscale_in_optimizer || dynamic_cast<optim::FusedOptimizer*>(e.optimizer) == nullptr) {
+  // Only for amp.step(), which passes the factor: the user's own step() would not.
+  if (!unscale_in_optimizer || !e.amp_steps ||
+      dynamic_cast<optim::FusedOptimizer*>(e.optimizer) == nullptr) {
     return false;
   }
   return std::none_of(e.slots.begin(), e.slots.end(),
@@ -197,7 +242,16 @@ void AmpState::prepare_backward(size_t target, int64_t loss_id) {
   }
   for (auto& s : e.slots) {
     if (s.copy) {
-      s.model.mutable_grad() = at::Tensor();  // already folded into the master gradient
+      // The model gradient was folded into the master gradient. If the user cleared or zeroed it
+      // since (model->zero_grad()), the master gradient restarts too, as an fp32 parameter's
+      // gradient would; optimizer.zero_grad() clears the master gradient itself.
+      at::Tensor& g = s.model.mutable_grad();
+      const bool kept = s.folded_grad.defined() && g.defined() &&
+                        g.unsafeGetTensorImpl() == s.folded_grad.unsafeGetTensorImpl() &&
+                        g._version() == s.folded_version;
+      if (!kept) s.master.mutable_grad() = at::Tensor();
+      s.folded_grad = at::Tensor();
+      g = at::Tensor();
     } else {
       // A gradient that shares its storage (a view into DistributedDataParallel's bucket under
       // gradient_as_bucket_view, or its detached alias after zero_grad(false)) is stashed as a
@@ -254,7 +308,10 @@ void AmpState::post_backward(const std::vector<size_t>& targets, int64_t loss_id
     } else {
       mg = g32;
     }
-    slot->model.mutable_grad() = at::Tensor();
+    // The model gradient stays (as an fp32 parameter's would) and marks the fold: prepare_backward
+    // sees whether the user cleared it since.
+    slot->folded_grad = slot->model.grad();
+    slot->folded_version = slot->folded_grad._version();
   }
   for (size_t t : targets) {
     auto& e = entries[t];
@@ -271,8 +328,14 @@ void AmpState::post_backward(const std::vector<size_t>& targets, int64_t loss_id
     e.scaled_pending = false;
     e.pending_loss_id = -1;
     e.backward_since_step = true;
+    e.dirty = true;
   }
   pending.push_back(std::move(check));
+  // Read now unless every target is stepped by amp.step() (which reads it, with the others, at
+  // one host synchronization): the user's own step() comes next, with no amp call before it.
+  const bool eager =
+      std::any_of(targets.begin(), targets.end(), [&](size_t t) { return !entries[t].amp_steps; });
+  if (eager) resolve([&](const PendingCheck& c) { return c.loss_id == loss_id; });
 }
 
 void AmpState::abandon(const std::vector<size_t>& targets) {
@@ -297,6 +360,7 @@ void AmpState::clear_grads(OptimizerEntry& e) {
     s.model.mutable_grad() = at::Tensor();
     s.master.mutable_grad() = at::Tensor();
     s.stash = at::Tensor();
+    s.folded_grad = at::Tensor();
   }
   e.scaled_pending = false;
   e.pending_loss_id = -1;
@@ -310,15 +374,41 @@ void AmpState::copy_masters_to_model(OptimizerEntry& e) {
     dst.push_back(s.model);
     src.push_back(s.master);
   }
-  if (dst.empty()) return;
-  at::NoGradGuard no_grad;
-  at::_foreach_copy_(dst, src);
+  if (!dst.empty()) {
+    at::NoGradGuard no_grad;
+    at::_foreach_copy_(dst, src);
+  }
+  record_versions(e);
+}
+
+void AmpState::record_versions(OptimizerEntry& e) {
+  for (auto& s : e.slots) s.master_version = s.master._version();
+}
+
+bool AmpState::sync(OptimizerEntry& e) {
+  const bool changed = std::any_of(e.slots.begin(), e.slots.end(), [](const Slot& s) {
+    return s.master._version() != s.master_version;
+  });
+  if (changed || (e.dirty && !e.amp_steps)) {
+    copy_masters_to_model(e);
+    e.dirty = false;
+  }
+  return changed;
+}
+
+void AmpState::sync_all() {
+  for (auto& e : entries) sync(e);
 }
 
 bool AmpState::step(const std::vector<size_t>& indices) {
   rethrow_deferred();
   for (size_t i : indices) {
-    const auto& e = entries[i];
+    auto& e = entries[i];
+    // Seen where the optimizer bumps its parameters' version counters (torch::optim's Adam,
+    // AdamW, Adagrad, RMSprop; apex's fused optimizers), not through .data() (torch::optim::SGD).
+    TORCH_CHECK(!(sync(e) && e.backward_since_step), "Amp::step: optimizer ", i,
+                " was already stepped after the last backward (its own optimizer.step()); call "
+                "either optimizer.step() or amp.step() once per iteration, not both");
     TORCH_CHECK(!e.scaled_pending, "Amp::step: optimizer ", i,
                 " still holds scaled gradients (the last scale_loss used delay_unscale=true); "
                 "end the accumulation with a scale_loss without delay_unscale before stepping");
@@ -333,19 +423,21 @@ bool AmpState::step(const std::vector<size_t>& indices) {
   bool all_stepped = true;
   for (size_t i : indices) {
     auto& e = entries[i];
+    e.amp_steps = true;
     if (e.overflowed) {
-      clear_grads(e);
-      e.skipped += 1;
+      clear_grads(e);  // counted in resolve()
       all_stepped = false;
     } else if (e.deferred_inv.defined()) {
       // The kernel does not write the gradients: they stay scaled, and deferred_inv stays as the
       // marker, so a backward that accumulates onto them without zero_grad() unscales them first.
       static_cast<optim::FusedOptimizer*>(e.optimizer)
           ->step(optim::GradScaling{e.deferred_inv, at::Tensor()});
+      record_versions(e);
     } else {
       e.optimizer->step();
       copy_masters_to_model(e);
     }
+    e.dirty = false;
     e.backward_since_step = false;
     e.overflowed = false;
   }
@@ -425,7 +517,9 @@ namespace {
 void warn_if_half_matmuls_are_slow(const detail::AmpState& st) {
   const auto& p = st.props;
   const bool cast = p.cast_model_type && *p.cast_model_type != at::kFloat;
-  if (st.verbosity == 0 || !p.enabled || (!cast && !p.patch_torch_functions)) return;
+  if (st.verbosity == 0 || !st.log_rank() || !p.enabled || (!cast && !p.patch_torch_functions)) {
+    return;
+  }
   bool on_cpu = false;
   for (const auto& m : st.models) {
     for (const auto& t : m->parameters()) on_cpu = on_cpu || t.device().is_cpu();
@@ -448,7 +542,15 @@ Amp::Amp(std::vector<std::shared_ptr<torch::nn::Module>> models,
          std::vector<torch::optim::Optimizer*> optimizers, const Options& options)
     : state_(std::make_unique<detail::AmpState>()) {
   auto& st = *state_;
-  st.props = Properties::resolve(options);
+  // An unset half_dtype follows the models' device (fp16 on CUDA, bf16 on the CPU).
+  c10::DeviceType device = c10::kCPU;
+  for (const auto& m : models) {
+    if (m != nullptr && !m->parameters().empty()) {
+      device = device_type_of(*m);
+      break;
+    }
+  }
+  st.props = Properties::resolve(options, device);
   st.verbosity = options.verbosity();
   st.unscale_in_optimizer = options.unscale_in_optimizer();
   const auto& p = st.props;
@@ -518,6 +620,9 @@ Amp::Amp(std::vector<std::shared_ptr<torch::nn::Module>> models,
     }
   }
   st.models = std::move(models);
+  if (p.enabled && p.cast_model_type && *p.cast_model_type != at::kFloat) {
+    st.half_model_check.emplace();
+  }
 
   bool any_copy = false;
   for (auto* opt : optimizers) {
@@ -542,10 +647,12 @@ Amp::Amp(std::vector<std::shared_ptr<torch::nn::Module>> models,
           }
           param = master;
           s.master = master;
+          s.master_version = master._version();
           s.copy = true;
           any_copy = true;
         } else {
           s.master = param;
+          s.master_version = param._version();
         }
         e.slots.push_back(std::move(s));
       }
@@ -553,7 +660,7 @@ Amp::Amp(std::vector<std::shared_ptr<torch::nn::Module>> models,
     st.entries.push_back(std::move(e));
   }
   st.fast_path = !p.loss_scale.is_dynamic() && p.loss_scale.value() == 1.0 && !any_copy;
-  if (st.verbosity > 0 && p.enabled) {
+  if (st.verbosity > 0 && p.enabled && st.log_rank()) {
     std::cerr << "apex::amp: initialized with\n" << p.describe();
   }
   warn_if_half_matmuls_are_slow(st);
@@ -611,6 +718,7 @@ ScaledLoss Amp::scale_loss(const at::Tensor& loss, int64_t loss_id,
       "all-reduce) use ScaleLossOptions().delay_unscale(true), so that the accumulated "
       "gradients stay scaled in place for the next synchronised backward to reduce");
   const auto targets = st.targets_of(options);
+  st.sync_all();
   // This scaler's scale must reflect every earlier iteration before it is used again.
   st.resolve([&](const detail::PendingCheck& c) { return c.loss_id == loss_id; });
   if (st.fast_path) {
@@ -636,6 +744,7 @@ bool Amp::step(size_t index) {
 void Amp::zero_grad() {
   auto& st = *state_;
   st.rethrow_deferred();
+  st.sync_all();
   for (auto& e : st.entries) st.clear_grads(e);
   for (auto& m : st.models) {
     for (auto& p : m->parameters()) p.mutable_grad() = at::Tensor();
@@ -661,8 +770,11 @@ int64_t Amp::skipped_steps(size_t index) const {
 std::vector<at::Tensor> Amp::master_params(size_t index) const {
   TORCH_CHECK(index < state_->entries.size(), "Amp::master_params: optimizer index ", index,
               " out of range");
+  state_->sync(state_->entries[index]);
   return apex::amp::master_params(*state_->entries[index].optimizer);
 }
+
+void Amp::sync_model() { state_->sync_all(); }
 
 size_t Amp::num_optimizers() const { return state_->entries.size(); }
 
@@ -674,6 +786,7 @@ torch::optim::Optimizer& Amp::optimizer(size_t index) {
 StateDict Amp::state_dict() {
   auto& st = *state_;
   st.rethrow_deferred();
+  st.sync_all();
   st.resolve([](const detail::PendingCheck&) { return true; });
   StateDict d = make_state_dict();
   d.insert("opt_level", to_string(st.props.opt_level));
@@ -697,6 +810,7 @@ StateDict Amp::state_dict() {
 void Amp::load_state_dict(const StateDict& state) {
   auto& st = *state_;
   st.rethrow_deferred();
+  st.sync_all();
   st.resolve([](const detail::PendingCheck&) { return true; });
   // Validate everything into copies; commit only when all of it is good.
   std::vector<LossScaler> scalers = st.scalers;

@@ -36,6 +36,7 @@
 #include <torch/library.h>
 
 #include "amp/cpu_half_conv1d.h"
+#include "amp/quiet_registration.h"
 #include "bridge/bridge.h"
 #include "kernels/activation.h"
 #include "kernels/attention.h"
@@ -880,16 +881,7 @@ std::tuple<at::Tensor, at::Tensor> packed_hidden_rnn(const at::Tensor& data,
   return {out.to(t), h.to(t)};
 }
 
-// Our CPU kernels replace the dispatcher's for these ops; the dispatcher says so once per op
-// with a warning that is no news to anyone here.
-struct QuietRegistration : c10::WarningHandler {
-  c10::WarningHandler* outer = c10::WarningUtils::get_warning_handler();
-  void process(const c10::Warning& w) override {
-    if (w.msg().find("Overriding a previously registered kernel") == std::string::npos) {
-      outer->process(w);
-    }
-  }
-};
+using detail::QuietRegistration;
 
 // A library of CPU kernels for aten's ops, registered quietly (see above). It lives as long as
 // the process: the kernels check the thread's guard depth themselves.

@@ -100,11 +100,18 @@ bool is_float_type(c10::ScalarType t) {
 
 }  // namespace
 
-Properties Properties::resolve(const Options& o) {
+c10::ScalarType Properties::default_half_dtype(c10::DeviceType device) {
+  // CUDA: apex's fp16. CPU: bf16, which LibTorch multiplies fast with AVX512-BF16/AMX and apex's
+  // route computes through fp32 elsewhere (cpu_half.h), and which needs no loss scaling.
+  return device == c10::kCUDA ? c10::kHalf : c10::kBFloat16;
+}
+
+Properties Properties::resolve(const Options& o, c10::DeviceType device) {
   const OptLevel level = o.opt_level();
   const std::string name = to_string(level);
-  TORCH_CHECK(o.half_dtype() == c10::kHalf || o.half_dtype() == c10::kBFloat16,
-              "amp Options: half_dtype must be Half or BFloat16, got ", o.half_dtype());
+  const c10::ScalarType half = o.half_dtype().value_or(default_half_dtype(device));
+  TORCH_CHECK(half == c10::kHalf || half == c10::kBFloat16,
+              "amp Options: half_dtype must be Half or BFloat16, got ", half);
   TORCH_CHECK(
       o.cast_model_outputs() == c10::kFloat || o.cast_model_outputs() == c10::kHalf ||
           o.cast_model_outputs() == c10::kBFloat16 || o.cast_model_outputs() == c10::kDouble,
@@ -116,16 +123,16 @@ Properties Properties::resolve(const Options& o) {
   Properties p;
   p.opt_level = level;
   p.enabled = o.enabled();
-  p.half_dtype = o.half_dtype();
+  p.half_dtype = half;
   if (row.cast_model != ModelCast::kNone) {
-    p.cast_model_type = row.cast_model == ModelCast::kFloat ? c10::kFloat : o.half_dtype();
+    p.cast_model_type = row.cast_model == ModelCast::kFloat ? c10::kFloat : half;
   }
   p.patch_torch_functions = row.patch_torch_functions;
   p.keep_batchnorm_fp32 = row.keep_batchnorm_fp32;
   p.master_weights = row.master_weights;
   // bf16 needs no dynamic scaling (fp32's exponent range).
-  p.loss_scale = row.dynamic_loss_scale && o.half_dtype() != c10::kBFloat16 ? LossScale::dynamic()
-                                                                            : LossScale(1.0);
+  p.loss_scale =
+      row.dynamic_loss_scale && half != c10::kBFloat16 ? LossScale::dynamic() : LossScale(1.0);
   p.cast_model_outputs = o.cast_model_outputs();
 
   // Overrides, checked as apex's Properties.__setattr__ did.

@@ -49,6 +49,13 @@ torch::Tensor FusedOptimizer::step(const GradScaling& scaling, LossClosure closu
   }
   const at::NoGradGuard no_grad;
   fused_step(scaling);
+  // The kernels write through raw pointers; count the update as torch.optim's in-place ops do,
+  // so that autograd and whoever watches the parameters (apex::amp) see that they changed.
+  for (auto& group : param_groups_) {
+    for (auto& p : group.params()) {
+      if (p.grad().defined() && !p.is_inference()) p.unsafeGetTensorImpl()->bump_version();
+    }
+  }
   return loss;
 }
 

@@ -18,9 +18,10 @@ struct ForceCpuHalfFallback {
   ForceCpuHalfFallback& operator=(const ForceCpuHalfFallback&) = delete;
 };
 
-/// Options of `level` without the stderr lines on skipped steps.
+/// Options of `level` without the stderr lines on skipped steps, in fp16 (the dtype these tests
+/// were written for, with its dynamic loss scaling; on the CPU an unset half_dtype is bf16).
 inline apex::amp::Options quiet(apex::amp::OptLevel level) {
-  return apex::amp::Options(level).verbosity(0);
+  return apex::amp::Options(level).verbosity(0).half_dtype(c10::kHalf);
 }
 
 /// Batch `step` of a deterministic stream (same data for every run that asks for that step).

@@ -55,7 +55,8 @@ TEST(AmpCheckpoint, ResumeIsBitIdenticalAtEveryLevel) {
   for (auto level : {OptLevel::O0, OptLevel::O1, OptLevel::O2, OptLevel::O3}) {
     SCOPED_TRACE(apex::amp::to_string(level));
     // fp16 with a small growth interval so that the scaler state moves during the run.
-    const auto options = Options(level).verbosity(0).growth_interval(3).init_loss_scale(4096);
+    const auto options =
+        Options(level).half_dtype(at::kHalf).verbosity(0).growth_interval(3).init_loss_scale(4096);
     // Injected overflow only where it is checked (O0/O3 step with whatever the gradients hold).
     const int inject = (level == OptLevel::O1 || level == OptLevel::O2) ? 2 : -1;
     TrainRun full(options, 1);

@@ -9,30 +9,48 @@ using apex::amp::Properties;
 using apex::test::throws_with;
 
 TEST(Options, OptLevelTableMatchesApex) {
-  const auto o0 = Properties::resolve(Options(OptLevel::O0));
+  // apex's table is CUDA's, where the half dtype defaults to fp16.
+  const auto cuda = c10::kCUDA;
+  const auto o0 = Properties::resolve(Options(OptLevel::O0), cuda);
   EXPECT_EQ(o0.cast_model_type, at::kFloat);
   EXPECT_FALSE(o0.patch_torch_functions);
   EXPECT_FALSE(o0.master_weights);
   EXPECT_EQ(o0.loss_scale, LossScale(1.0));
 
-  const auto o1 = Properties::resolve(Options(OptLevel::O1));
+  const auto o1 = Properties::resolve(Options(OptLevel::O1), cuda);
   EXPECT_FALSE(o1.cast_model_type.has_value());
   EXPECT_TRUE(o1.patch_torch_functions);
   EXPECT_FALSE(o1.master_weights);
   EXPECT_TRUE(o1.loss_scale.is_dynamic());
 
-  const auto o2 = Properties::resolve(Options(OptLevel::O2));
+  const auto o2 = Properties::resolve(Options(OptLevel::O2), cuda);
   EXPECT_EQ(o2.cast_model_type, at::kHalf);
   EXPECT_FALSE(o2.patch_torch_functions);
   EXPECT_TRUE(o2.keep_batchnorm_fp32);
   EXPECT_TRUE(o2.master_weights);
   EXPECT_TRUE(o2.loss_scale.is_dynamic());
 
-  const auto o3 = Properties::resolve(Options(OptLevel::O3));
+  const auto o3 = Properties::resolve(Options(OptLevel::O3), cuda);
   EXPECT_EQ(o3.cast_model_type, at::kHalf);
   EXPECT_FALSE(o3.keep_batchnorm_fp32);
   EXPECT_FALSE(o3.master_weights);
   EXPECT_EQ(o3.loss_scale, LossScale(1.0));
+}
+
+// An unset half dtype follows the device: fp16 on CUDA (apex's), bf16 on the CPU, which needs no
+// loss scaling; a set one wins anywhere.
+TEST(Options, HalfDtypeFollowsTheDevice) {
+  EXPECT_EQ(Properties::default_half_dtype(c10::kCUDA), at::kHalf);
+  EXPECT_EQ(Properties::default_half_dtype(c10::kCPU), at::kBFloat16);
+  for (auto level : {OptLevel::O1, OptLevel::O2}) {
+    const auto cpu = Properties::resolve(Options(level));
+    EXPECT_EQ(cpu.half_dtype, at::kBFloat16);
+    EXPECT_EQ(cpu.loss_scale, LossScale(1.0));
+    const auto cuda = Properties::resolve(Options(level), c10::kCUDA);
+    EXPECT_EQ(cuda.half_dtype, at::kHalf);
+    EXPECT_TRUE(cuda.loss_scale.is_dynamic());
+    EXPECT_EQ(Properties::resolve(Options(level).half_dtype(at::kHalf)).half_dtype, at::kHalf);
+  }
 }
 
 TEST(Options, Bf16DefaultsToStaticScaleOne) {

@@ -87,8 +87,11 @@ struct AmpRun {
     torch::manual_seed(3);
     model = Mlp(6, 8, 3);
     opt = std::make_unique<torch::optim::Adam>(model->parameters());
-    amp.emplace(apex::amp::initialize(
-        model, *opt, apex::amp::Options(apex::amp::OptLevel::O2).verbosity(0).growth_interval(2)));
+    amp.emplace(apex::amp::initialize(model, *opt,
+                                      apex::amp::Options(apex::amp::OptLevel::O2)
+                                          .half_dtype(at::kHalf)
+                                          .verbosity(0)
+                                          .growth_interval(2)));
     for (int s = 0; s < steps; ++s) {
       auto b = make_blobs(8, 6, 3, 10 + s);
       amp->zero_grad();

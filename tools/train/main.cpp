@@ -13,6 +13,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -114,6 +115,9 @@ int run_ranks(const Cli& cli) {
                                     "LOCAL_WORLD_SIZE=" + std::to_string(cli.nproc),
                                     "MASTER_ADDR=127.0.0.1",
                                     "MASTER_PORT=" + port};
+    // Ranks share the cores: libgomp's waiting threads must sleep, not spin, or each rank's
+    // threads steal the others' cycles (docs/amp.md, OpenMP threads).
+    if (std::getenv("OMP_WAIT_POLICY") == nullptr) env.emplace_back("OMP_WAIT_POLICY=PASSIVE");
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);

@@ -3,11 +3,11 @@
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/cross_entropy_loss.h>
-#include <ATen/ops/randperm.h>
 #include <apex/amp/initialize.h>
 #include <apex/io.h>
 #include <apex/optim.h>
 #include <apex/parallel/distributed.h>
+#include <apex/parallel/distributed_sampler.h>
 #include <apex/parallel/process_group.h>
 #include <apex/serialize.h>
 #include <c10/util/Exception.h>
@@ -461,8 +461,17 @@ at::Tensor EpochSampler::indices(int64_t first, int64_t count) {
   while (count > 0) {
     const int64_t epoch = first / n_;
     if (epoch != epoch_) {
-      auto gen = at::detail::createCPUGenerator(seed_ * 1000003ULL + static_cast<uint64_t>(epoch));
-      perm_ = at::randperm(n_, gen, at::TensorOptions().dtype(at::kLong));
+      // The epoch's order is the public sampler's (one replica: the whole permutation, Python's
+      // DistributedSampler order for seed + epoch); the ranks' shards are cut from it below as
+      // global micro-batches, so that R ranks see exactly one process's batches.
+      const auto order =
+          apex::parallel::DistributedSampler(
+              static_cast<size_t>(n_),
+              apex::parallel::DistributedSamplerOptions().num_replicas(1).rank(0).seed(seed_))
+              .indices(epoch);
+      perm_ = at::empty({n_}, at::TensorOptions().dtype(at::kLong));
+      int64_t* p = perm_.data_ptr<int64_t>();
+      for (int64_t i = 0; i < n_; ++i) p[i] = static_cast<int64_t>(order[static_cast<size_t>(i)]);
       epoch_ = epoch;
     }
     const int64_t off = first % n_;

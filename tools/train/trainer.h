@@ -100,8 +100,9 @@ struct Summary {
   std::vector<StepRecord> curve;
 };
 
-/// The sample order: a fresh permutation of the train split per epoch, drawn from the seed and
-/// the epoch number only (a resumed run sees the same batches).
+/// The sample order: a fresh permutation of the train split per epoch, apex::parallel's
+/// DistributedSampler's for the seed and the epoch number only (a resumed run sees the same
+/// batches), read as one stream across epochs and cut into global micro-batches.
 class EpochSampler {
  public:
   EpochSampler(int64_t n, uint64_t seed) : n_(n), seed_(seed) {}

@@ -30,17 +30,23 @@ class Optimizer;
 namespace apex::amp {
 
 /// The handle `initialize` returns. It owns the loss scalers and the fp32 master weights, and
-/// drives the mixed-precision training step:
+/// drives the mixed-precision training step. A LibTorch loop keeps its own zero_grad() and
+/// step(); amp adds three lines:
 ///
-///   auto amp = apex::amp::initialize(model, optimizer, apex::amp::OptLevel::O2);
+///   auto amp = apex::amp::initialize(model, optimizer, apex::amp::OptLevel::O2);  // 1
 ///   for (...) {
-///     amp.zero_grad();
-///     auto loss = loss_fn(amp.forward(model, x), y);
-///     amp.scale_loss(loss).backward();
-///     amp.step();            // skipped (and the scale lowered) when gradients overflowed
+///     optimizer.zero_grad();
+///     auto loss = loss_fn(amp.forward(model, x), y);                              // 2
+///     amp.scale_loss(loss).backward();                                            // 3
+///     optimizer.step();      // changes nothing when the gradients overflowed
 ///   }
 ///
-/// The optimizers are referenced, not owned: they must outlive the handle.
+/// When a scale_loss scope's gradients overflow, amp lowers the scale and clears the gradients
+/// (so the optimizer's step skips every parameter); with O2's fp32 masters, the model's half
+/// weights follow the masters at the next forward, scale_loss or any other call on the handle.
+/// `amp.step()` and `amp.zero_grad()` do the same as the optimizer's own calls, and amp.step()
+/// reports whether the step was taken. The optimizers are referenced, not owned: they must
+/// outlive the handle.
 class Amp {
  public:
   Amp(std::vector<std::shared_ptr<torch::nn::Module>> models,
@@ -56,15 +62,18 @@ class Amp {
   /// Runs `module->forward(args...)` under this level's policy: autocast for O1; floating tensor
   /// inputs cast to the model dtype for O2/O3; floating tensor outputs (also inside tuples and
   /// vectors) cast to `cast_model_outputs` (fp32).
+  /// `module` may be a holder (`Net` of TORCH_MODULE), a std::shared_ptr, or the module itself.
   template <typename ModuleHolder, typename... Args>
   auto forward(ModuleHolder& module, Args&&... args) {
+    sync_model();
+    auto& m = module_of(module);
     std::optional<AutocastGuard> guard;
     if (autocast_enabled()) {
-      guard.emplace(device_type_of(*module), properties().half_dtype, true);
+      guard.emplace(device_type_of(m), properties().half_dtype, true);
     }
     // Half matmuls through fp32 on CPUs without fast ones (a no-op elsewhere).
     const CpuHalfFallbackGuard half_fallback(computes_in_half());
-    return cast_output(module->forward(cast_input(std::forward<Args>(args))...));
+    return cast_output(m.forward(cast_input(std::forward<Args>(args))...));
   }
 
   /// An autocast region with this level's settings for code outside `forward` (a loss function,
@@ -85,6 +94,11 @@ class Amp {
   bool step(size_t index);
   /// Clears model and master gradients (sets them undefined, as `zero_grad(true)` does).
   void zero_grad();
+  /// Copies the fp32 masters into the model's half parameters where the optimizer changed them
+  /// (its own step()) since the last copy. forward, scale_loss, zero_grad, state_dict and
+  /// master_params do it themselves; call it before using the bare model (evaluation, export)
+  /// right after your own optimizer.step().
+  void sync_model();
 
   /// Current scale of loss scaler `loss_id`.
   double loss_scale(int64_t loss_id = 0);
@@ -113,6 +127,14 @@ class Amp {
   /// O1-O3: some ops run in the half dtype (autocast, or a model cast to it).
   bool computes_in_half() const;
   static c10::DeviceType device_type_of(const torch::nn::Module& module);
+  template <typename M>
+  static auto& module_of(M& module) {
+    if constexpr (std::is_base_of_v<torch::nn::Module, M>) {
+      return module;
+    } else {
+      return *module;
+    }
+  }
   at::Tensor cast_tensor(const at::Tensor& t, c10::ScalarType dtype) const;
 
   template <typename T>
@@ -171,10 +193,35 @@ Amp initialize(torch::nn::ModuleHolder<ModuleType>& model, torch::optim::Optimiz
   return initialize({model.ptr()}, {&optimizer}, options);
 }
 
+/// The same for a model held by `std::shared_ptr` (pytorch/examples' C++ style:
+/// `auto model = std::make_shared<Net>();`).
+template <typename ModuleType>
+requires std::is_base_of_v<torch::nn::Module, ModuleType> Amp
+initialize(const std::shared_ptr<ModuleType>& model, torch::optim::Optimizer& optimizer,
+           const Options& options = {}) {
+  return initialize({std::static_pointer_cast<torch::nn::Module>(model)}, {&optimizer}, options);
+}
+
+/// The same for a module object the caller owns (pytorch/examples' `Net model;`): the handle
+/// refers to it, so it must outlive the handle, as the optimizer must.
+template <typename ModuleType>
+requires std::is_base_of_v<torch::nn::Module, ModuleType> Amp
+initialize(ModuleType& model, torch::optim::Optimizer& optimizer, const Options& options = {}) {
+  return initialize(
+      {std::shared_ptr<torch::nn::Module>(std::shared_ptr<torch::nn::Module>(), &model)},
+      {&optimizer}, options);
+}
+
 /// A model without an optimizer (inference at the level's precision).
 template <typename ModuleType>
 Amp initialize(torch::nn::ModuleHolder<ModuleType>& model, const Options& options = {}) {
   return initialize({model.ptr()}, {}, options);
+}
+
+template <typename ModuleType>
+requires std::is_base_of_v<torch::nn::Module, ModuleType> Amp
+initialize(const std::shared_ptr<ModuleType>& model, const Options& options = {}) {
+  return initialize({std::static_pointer_cast<torch::nn::Module>(model)}, {}, options);
 }
 
 }  // namespace apex::amp

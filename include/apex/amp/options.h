@@ -1,5 +1,6 @@
 #pragma once
 
+#include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 #include <torch/arg.h>
 
@@ -56,7 +57,9 @@ struct Options {
   /// false: `initialize` returns a pass-through handle (fp32, no scaling).
   TORCH_ARG(bool, enabled) = true;
   /// The lower precision used by O1's autocast and O2/O3's model cast: kHalf or kBFloat16.
-  TORCH_ARG(c10::ScalarType, half_dtype) = c10::kHalf;
+  /// Unset: follows the models' device, as apex-train does: fp16 on CUDA (apex's default), bf16 on
+  /// the CPU (fast there, natively or through apex's fp32 route, and it needs no loss scaling).
+  TORCH_ARG(std::optional<c10::ScalarType>, half_dtype) = std::nullopt;
   /// Override: dtype the model is cast to (O2/O3 default: half_dtype; O0: fp32; O1: must be unset).
   TORCH_ARG(std::optional<c10::ScalarType>, cast_model_type) = std::nullopt;
   /// Override: autocast around the model (apex's name). Only O1 may enable it.
@@ -78,7 +81,9 @@ struct Options {
   TORCH_ARG(int64_t, hysteresis) = 1;
   TORCH_ARG(std::optional<double>, min_loss_scale) = std::nullopt;
   TORCH_ARG(double, max_loss_scale) = 16777216.0;
-  /// 0: silent; 1: one line on stderr per skipped step (apex's "Gradient overflow" message).
+  /// 0: silent; 1: the settings at initialize and one line on stderr per skipped step (apex's
+  /// "Gradient overflow" message), printed by rank 0 of a distributed job only ($RANK unset or 0);
+  /// 2: the same on every rank.
   TORCH_ARG(int, verbosity) = 1;
   /// For optimizers that are `apex::optim::FusedOptimizer`s and keep no master copies (O0 with a
   /// dynamic scale, O1, O3): leave the gradients scaled after `scale_loss` and let the optimizer
@@ -102,8 +107,11 @@ struct Properties {
   LossScale loss_scale = LossScale(1.0);
   c10::ScalarType cast_model_outputs = c10::kFloat;
 
-  /// Resolves and validates `options`; errors name the offending override.
-  static Properties resolve(const Options& options);
+  /// Resolves and validates `options` for models on `device` (which picks an unset half_dtype:
+  /// see Options::half_dtype); errors name the offending override.
+  static Properties resolve(const Options& options, c10::DeviceType device = c10::kCPU);
+  /// The half dtype an unset Options::half_dtype resolves to for models on `device`.
+  static c10::ScalarType default_half_dtype(c10::DeviceType device);
   /// A readable multi-line table, as apex printed at initialize.
   std::string describe() const;
 };

@@ -115,6 +115,19 @@ void restore(std::tuple<T...>& t, const std::vector<at::Tensor>& in, size_t& i) 
   std::apply([&](auto&... e) { (restore(e, in, i), ...); }, t);
 }
 
+/// What DDP holds the wrapped module by: a module holder (`Net` of TORCH_MODULE(Net)) or a
+/// std::shared_ptr as given; a module class itself (`struct Net : torch::nn::Module`) by a
+/// std::shared_ptr to it.
+template <typename T>
+struct DdpHolder {
+  using type = T;
+};
+template <typename T>
+requires std::is_base_of_v<torch::nn::Module, T>
+struct DdpHolder<T> {
+  using type = std::shared_ptr<T>;
+};
+
 }  // namespace detail
 
 /// Wraps a module (its holder, e.g. `Net` or `std::shared_ptr<NetImpl>`) for data-parallel
@@ -126,10 +139,18 @@ void restore(std::tuple<T...>& t, const std::vector<at::Tensor>& in, size_t& i) 
 ///   apex::parallel::DistributedDataParallel<Net> ddp(net);      // after amp::initialize
 ///   auto loss = loss_fn(ddp->forward(x), y);  loss.backward();  optimizer.step();
 ///
-/// Its registered submodule is "module", so state_dict keys read as Python DDP's.
-template <typename Holder>
+/// Its registered submodule is "module", so state_dict keys read as Python DDP's. The template
+/// argument may be the holder, a std::shared_ptr, or the module class itself, and is deduced from
+/// the constructor's argument:
+///
+///   auto net = std::make_shared<Net>();                  // struct Net : torch::nn::Module
+///   apex::parallel::DistributedDataParallel ddp(net);    // DistributedDataParallel<Net>
+///   auto out = ddp(x);                                   // or ddp->forward(x)
+template <typename Wrapped>
 class DistributedDataParallelImpl : public torch::nn::Module {
  public:
+  using Holder = typename detail::DdpHolder<Wrapped>::type;
+
   explicit DistributedDataParallelImpl(Holder module, DistributedDataParallelOptions options = {},
                                        ProcessGroup group = default_process_group())
       : module_(register_module("module", module)),
@@ -158,12 +179,42 @@ class DistributedDataParallelImpl : public torch::nn::Module {
   std::unique_ptr<detail::DdpEngine> engine_;
 };
 
-template <typename Holder>
+template <typename Wrapped>
 class DistributedDataParallel
-    : public torch::nn::ModuleHolder<DistributedDataParallelImpl<Holder>> {
+    : public torch::nn::ModuleHolder<DistributedDataParallelImpl<Wrapped>> {
  public:
-  using torch::nn::ModuleHolder<DistributedDataParallelImpl<Holder>>::ModuleHolder;
+  using torch::nn::ModuleHolder<DistributedDataParallelImpl<Wrapped>>::ModuleHolder;
+
+  /// `ddp(x)`, as for LibTorch's own modules (whose holders find a non-template forward; this one
+  /// forwards whatever the wrapped module's forward takes).
+  template <typename... Args>
+  decltype(auto) operator()(Args&&... args) {
+    return this->get()->forward(std::forward<Args>(args)...);
+  }
 };
+
+// Deduction from the wrapped module: a holder (Net), a std::shared_ptr<Net>.
+template <typename M>
+DistributedDataParallel(std::shared_ptr<M>) -> DistributedDataParallel<M>;
+template <typename M>
+DistributedDataParallel(std::shared_ptr<M>, DistributedDataParallelOptions)
+    -> DistributedDataParallel<M>;
+template <typename M>
+DistributedDataParallel(std::shared_ptr<M>, DistributedDataParallelOptions, ProcessGroup)
+    -> DistributedDataParallel<M>;
+template <typename H>
+DistributedDataParallel(H) -> DistributedDataParallel<H>;
+template <typename H>
+DistributedDataParallel(H, DistributedDataParallelOptions) -> DistributedDataParallel<H>;
+template <typename H>
+DistributedDataParallel(H, DistributedDataParallelOptions, ProcessGroup)
+    -> DistributedDataParallel<H>;
+
+/// `make_distributed_data_parallel(net, options)`: the same, as a function.
+template <typename M, typename... Rest>
+auto make_distributed_data_parallel(M&& module, Rest&&... rest) {
+  return DistributedDataParallel(std::forward<M>(module), std::forward<Rest>(rest)...);
+}
 
 /// Gradient accumulation without communication: backward passes run while a guard lives (their
 /// forwards included) only accumulate local gradients; the first synced backward after it
