@@ -78,6 +78,14 @@ void check_list(const std::vector<at::Tensor>& list, const char* who, const char
   }
 }
 
+bool same_memory_order(c10::IntArrayRef sizes, c10::IntArrayRef a, c10::IntArrayRef b) {
+  if (a.size() != sizes.size() || b.size() != sizes.size()) return false;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] > 1 && a[d] != b[d]) return false;
+  }
+  return true;
+}
+
 void check_matching(const std::vector<at::Tensor>& ref, const std::vector<at::Tensor>& other,
                     const char* who, const char* ref_name, const char* other_name) {
   TORCH_CHECK(ref.size() == other.size(), who, ": ", ref_name, " and ", other_name,
@@ -85,9 +93,9 @@ void check_matching(const std::vector<at::Tensor>& ref, const std::vector<at::Te
   for (size_t i = 0; i < ref.size(); ++i) {
     TORCH_CHECK(ref[i].sizes() == other[i].sizes(), who, ": ", other_name, "[", i, "] has shape ",
                 other[i].sizes(), " but ", ref_name, "[", i, "] has shape ", ref[i].sizes());
-    TORCH_CHECK(ref[i].strides() == other[i].strides(), who, ": ", other_name, "[", i,
-                "] has strides ", other[i].strides(), " but ", ref_name, "[", i, "] has strides ",
-                ref[i].strides());
+    TORCH_CHECK(same_memory_order(ref[i].sizes(), ref[i].strides(), other[i].strides()), who, ": ",
+                other_name, "[", i, "] has strides ", other[i].strides(), " but ", ref_name, "[", i,
+                "] has strides ", ref[i].strides());
     TORCH_CHECK(ref[i].device() == other[i].device(), who, ": ", other_name, "[", i, "] is on ",
                 other[i].device(), " but ", ref_name, "[", i, "] is on ", ref[i].device());
   }

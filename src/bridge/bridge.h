@@ -41,6 +41,11 @@ class ListBuilder {
 /// Messages name `who`, the argument and the offending index.
 void check_list(const std::vector<at::Tensor>& list, const char* who, const char* arg);
 
+/// Whether two dense tensors of `sizes` lay their elements out in the same order: their strides
+/// agree on every dimension longer than 1 (a size-1 dimension's stride is never used, and
+/// channels-last gradients of depthwise or 1-channel convolutions differ only there).
+bool same_memory_order(c10::IntArrayRef sizes, c10::IntArrayRef a, c10::IntArrayRef b);
+
 /// Checks that `other` matches `ref` element-wise (same length, numel, device, layout).
 void check_matching(const std::vector<at::Tensor>& ref, const std::vector<at::Tensor>& other,
                     const char* who, const char* ref_name, const char* other_name);

@@ -100,8 +100,9 @@ std::vector<std::vector<FusedOptimizer::Entry>> FusedOptimizer::collect(const ch
                   " is on ", p.device(), ", which this build of apex-cpp has no kernels for");
       TORCH_CHECK(p.is_non_overlapping_and_dense(), who, ": parameter ", i, " of group ", gi,
                   " must be dense (non-overlapping, no gaps)");
-      TORCH_CHECK(g.strides() == p.strides(), who, ": the gradient of parameter ", i, " of group ",
-                  gi, " has strides ", g.strides(), " but the parameter has ", p.strides(),
+      TORCH_CHECK(bridge::same_memory_order(p.sizes(), g.strides(), p.strides()), who,
+                  ": the gradient of parameter ", i, " of group ", gi, " has strides ", g.strides(),
+                  " but the parameter has ", p.strides(),
                   " (make the gradient contiguous like its parameter)");
       auto st = state_.find(p.unsafeGetTensorImpl());
       if (st != state_.end()) {

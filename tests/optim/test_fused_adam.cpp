@@ -89,6 +89,37 @@ TEST(FusedAdam, MatchesAdamL2ManyTensors) { compare_with_libtorch(false, many_si
 // reference is LibTorch's AdamW on fp32 copies. Each step is compared on its own (the reference
 // restarts from our rounded values), because an update near one ulp of bf16 makes roundings
 // diverge across steps whenever fp32 results differ in their last bit.
+// Channels-last training of a depthwise or 1-channel convolution gives a weight [C, 1, k, k]
+// whose gradient's strides differ from the parameter's only on the size-1 dimension: the same
+// memory order, accepted and stepped as the contiguous gradient (torch.optim and apex accept it).
+TEST(FusedAdam, GradientStridesDifferingOnlyOnSizeOneDimensions) {
+  auto p1 = at::randn({6, 1, 3, 3}).set_requires_grad(true);
+  auto p2 = p1.detach().clone().set_requires_grad(true);
+  const auto g = at::randn({6, 1, 3, 3});
+  p1.mutable_grad() = at::empty_strided({6, 1, 3, 3}, {9, 1, 3, 1}).copy_(g);
+  p2.mutable_grad() = g.clone();
+  ASSERT_NE(p1.grad().strides(), p1.strides());
+  FusedAdam a({p1}, FusedAdamOptions(1e-2));
+  FusedAdam b({p2}, FusedAdamOptions(1e-2));
+  for (int s = 0; s < 3; ++s) {
+    a.step();
+    b.step();
+  }
+  EXPECT_TRUE(at::equal(p1, p2));
+  // The multi-tensor ops too (amp_C's scale, as GradScaler's unscale uses it).
+  auto out = at::empty_like(g);
+  const auto flag = at::zeros({1}, at::kFloat);
+  apex::optim::multi_tensor_scale({p1.grad()}, {out}, 0.5, flag);
+  EXPECT_TRUE(at::equal(out, g * 0.5));
+  // A gradient whose layout really differs (transposed) is still refused, before any change.
+  auto p3 = at::randn({4, 5}).set_requires_grad(true);
+  p3.mutable_grad() = at::randn({5, 4}).t();
+  const auto before = p3.detach().clone();
+  FusedAdam c({p3}, FusedAdamOptions(1e-2));
+  EXPECT_TRUE(throws_with([&] { c.step(); }, "has strides [1, 4] but the parameter has [5, 1]"));
+  EXPECT_TRUE(at::equal(p3, before));
+}
+
 TEST(FusedAdam, HalfParamsAgainstFp32ReferenceEachStep) {
   for (auto dtype : {at::kHalf, at::kBFloat16}) {
     auto ours = make_params(edge_sizes(), dtype, 3);

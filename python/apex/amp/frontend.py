@@ -65,6 +65,10 @@ def _resolve(opt_level, enabled, half_dtype, overrides):
     for k, v in overrides.items():
         if v is None:
             continue
+        if k == "cast_model_type" and v is False:
+            # apex: False means "do not cast the model" (real code passes it so).
+            p.cast_model_type = None
+            continue
         if k == "cast_model_type":
             if v not in (torch.float32, torch.float16, torch.bfloat16):
                 raise RuntimeError(f"amp: cast_model_type must be torch.float32, torch.float16 or "
@@ -105,6 +109,12 @@ def _resolve(opt_level, enabled, half_dtype, overrides):
         p.master_weights = False
         p.loss_scale = 1.0
     return p
+
+
+def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata):
+    for key, value in state_dict.items():
+        if torch.is_tensor(value) and value.dtype in (torch.float16, torch.bfloat16):
+            state_dict[key] = value.float()
 
 
 def _is_batchnorm(module):
@@ -329,7 +339,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         raise RuntimeError(f"amp.initialize: half_dtype must be torch.float16 or torch.bfloat16, "
                            f"got {half_dtype}")
     for p in params:
-        if enabled and p.dtype != torch.float32:
+        # apex's escape hatch for a model that is already half (real code sets it).
+        if enabled and p.dtype != torch.float32 and not _amp_state.allow_incoming_model_not_fp32:
             raise RuntimeError(f"amp.initialize: incoming model parameters must be float32, found "
                                f"{p.dtype} (amp casts the model itself)")
     if not isinstance(num_losses, int) or num_losses < 1:
@@ -348,6 +359,9 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         for m in models_list:
             if props.cast_model_type is not None and props.cast_model_type != torch.float32:
                 _cast_model(m, props.cast_model_type, props.keep_batchnorm_fp32)
+                # apex: an O2/O3 model's state_dict() holds fp32 tensors, so that a checkpoint
+                # loads into an fp32 model (evaluation, export); load_state_dict casts back.
+                m._register_state_dict_hook(_fp32_state_dict_hook)
             if props.computes_in_half():
                 _patch_forward(m, props, device_type)
                 if device_type == "cpu":

@@ -11,7 +11,8 @@ class FusedAdagrad(_FusedOptimizer):
 
     def __init__(self, params, lr=1e-2, eps=1e-10, weight_decay=0.0, set_grad_none=True,
                  adagrad_w_mode=False, lr_decay=0.0, initial_accumulator_value=0.0):
-        if lr < 0 or eps < 0 or weight_decay < 0 or lr_decay < 0 or initial_accumulator_value < 0:
+        if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and lr_decay >= 0
+                and initial_accumulator_value >= 0):  # NaN refused too
             raise ValueError("FusedAdagrad: lr, eps, weight_decay, lr_decay and "
                              "initial_accumulator_value must be >= 0")
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, lr_decay=lr_decay,

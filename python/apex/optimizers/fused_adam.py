@@ -24,7 +24,7 @@ class FusedAdam(_FusedOptimizer):
         if master_weights and not capturable:
             raise RuntimeError("Master weights is currently only supported with the capturable "
                                "version.")
-        if lr < 0 or eps < 0 or weight_decay < 0:
+        if not (lr >= 0 and eps >= 0 and weight_decay >= 0):  # NaN refused too
             raise ValueError(f"FusedAdam: lr, eps and weight_decay must be >= 0, got lr={lr}, "
                              f"eps={eps}, weight_decay={weight_decay}")
         for i, b in enumerate(betas):

@@ -16,7 +16,7 @@ class FusedLAMB(_FusedOptimizer):
                  set_grad_none=True, max_grad_norm=1.0, use_nvlamb=False):
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
-        if lr < 0 or eps < 0 or weight_decay < 0 or max_grad_norm < 0:
+        if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and max_grad_norm >= 0):
             raise ValueError("FusedLAMB: lr, eps, weight_decay and max_grad_norm must be >= 0")
         for i, b in enumerate(betas):
             if not 0.0 <= b < 1.0:

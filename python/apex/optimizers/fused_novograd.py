@@ -19,7 +19,7 @@ class FusedNovoGrad(_FusedOptimizer):
         if norm_type not in (0, 2):
             raise RuntimeError(f"FusedNovoGrad only supports norm_type 0 (max) and 2 (l2), "
                                f"got {norm_type}")
-        if lr < 0 or eps < 0 or weight_decay < 0:
+        if not (lr >= 0 and eps >= 0 and weight_decay >= 0):  # NaN refused too
             raise ValueError("FusedNovoGrad: lr, eps and weight_decay must be >= 0")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
                         weight_decay=weight_decay, grad_averaging=grad_averaging,

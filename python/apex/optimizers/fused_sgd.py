@@ -1,4 +1,5 @@
 import torch
+from torch.optim.optimizer import required
 
 from apex._ops import ops
 
@@ -11,14 +12,16 @@ class FusedSGD(_FusedOptimizer):
     ``materialize_master_grads`` is accepted for apex's signature (amp O2 keeps its own fp32
     gradients here)."""
 
-    def __init__(self, params, lr=None, momentum=0.0, dampening=0.0, weight_decay=0.0,
+    def __init__(self, params, lr=required, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, wd_after_momentum=False, materialize_master_grads=True,
                  set_grad_none=False):
-        if lr is None or lr < 0.0:
-            raise ValueError(f"FusedSGD: invalid learning rate: {lr} (lr is required, >= 0)")
-        if momentum < 0.0:
+        # torch.optim's `required` rule (and apex's): no default lr is fine when every parameter
+        # group sets its own; a group without one is refused when it is added.
+        if lr is not required and not (isinstance(lr, (int, float)) and lr >= 0.0):
+            raise ValueError(f"FusedSGD: invalid learning rate: {lr} (expected a number >= 0)")
+        if not momentum >= 0.0:  # NaN too
             raise ValueError(f"FusedSGD: invalid momentum value: {momentum}")
-        if weight_decay < 0.0:
+        if not weight_decay >= 0.0:
             raise ValueError(f"FusedSGD: invalid weight_decay value: {weight_decay}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("FusedSGD: nesterov momentum requires a momentum and zero dampening")
