@@ -294,3 +294,53 @@ def test_channels_last_gradients_are_accepted_and_match_torch_adam(autocast):
     tol = dict(rtol=2e-2, atol=2e-3) if autocast else dict(rtol=1e-4, atol=1e-5)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_later_loss_does_not_report_an_earlier_losss_overflow(level):
+    """Two losses on one optimizer, the first overflowing: only its scaler backs off (apex checks
+    the incoming gradients only), and the step is skipped once."""
+    model = small_model(11)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.float16,
+                                num_losses=2, verbosity=0)
+    scalers = amp._amp_state.loss_scalers
+    for scaler in scalers:
+        scaler._loss_scale = 2.0 ** 10  # as apex users set it; 2^16 overflows fp16 here at once
+    x, y = batch(4)
+    for s in range(3):
+        opt.zero_grad()
+        loss0 = F.cross_entropy(model(x), y)
+        if s == 1:
+            loss0 = loss0 * float("inf")
+        with amp.scale_loss(loss0, opt, loss_id=0) as scaled:
+            scaled.backward()
+        with amp.scale_loss(F.cross_entropy(model(x), y) * 0.5, opt, loss_id=1) as scaled:
+            scaled.backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert changed == (s != 1), s
+    assert scalers[0].loss_scale() == 2.0 ** 9
+    assert scalers[1].loss_scale() == 2.0 ** 10
+
+
+def test_o1_loss_outside_the_model_is_fp32():
+    """apex's O1: F.cross_entropy & co. run in fp32 wherever they are called; the model's own
+    output stays half (autocast's)."""
+    model = small_model(12)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
+                                verbosity=0)
+    x, y = batch(5)
+    out = model(x)
+    assert out.dtype == torch.bfloat16
+    for loss in (F.cross_entropy(out, y), torch.nn.CrossEntropyLoss()(out, y),
+                 F.mse_loss(out, torch.zeros_like(out)), F.log_softmax(out, 1)):
+        assert loss.dtype == torch.float32
+    torch.testing.assert_close(F.cross_entropy(out, y), F.cross_entropy(out.float(), y))
+    # O2 is not O1: no patching effect there (the model returns fp32 anyway).
+    model2 = small_model(12)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    amp.initialize(model2, opt2, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    assert F.mse_loss(out, torch.zeros_like(out)).dtype == torch.bfloat16

@@ -349,7 +349,8 @@ def test_bad_input_clear_messages_and_nothing_changes():
         FusedAdam(p, master_weights=True)
     with pytest.raises(ValueError, match=r"betas\[0\] must be in \[0, 1\)"):
         FusedAdam(p, betas=(1.0, 0.9))
-    with pytest.raises(ValueError, match="lr is required"):
+    # No lr at all (torch's and apex's `required` rule: per-group lrs alone are fine).
+    with pytest.raises(ValueError, match="required optimization parameter lr"):
         FusedSGD(p)
     opt = FusedAdam(p)
     with pytest.raises(RuntimeError, match="FusedAdam has been updated"):

@@ -117,6 +117,43 @@ def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata):
             state_dict[key] = value.float()
 
 
+# apex's O1 patched these torch.nn.functional functions to run in fp32 wherever they are called,
+# the model's outputs being half: so a loss computed outside the model is fp32 (code reads and
+# reduces it as such). torch.autocast runs them in fp32 only inside its region (the model's
+# forward here), so O1 patches the same functions: half floating inputs are widened first.
+_FP32_FUNCTIONS = ("softmax", "log_softmax", "cross_entropy", "nll_loss", "kl_div", "l1_loss",
+                   "mse_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+                   "binary_cross_entropy_with_logits", "poisson_nll_loss", "cosine_embedding_loss",
+                   "hinge_embedding_loss", "margin_ranking_loss", "multilabel_margin_loss",
+                   "multilabel_soft_margin_loss", "multi_margin_loss", "soft_margin_loss",
+                   "triplet_margin_loss", "gaussian_nll_loss")
+
+
+def _widen(value):
+    if torch.is_tensor(value) and value.dtype in (torch.float16, torch.bfloat16):
+        return value.float()
+    return value
+
+
+def _patch_fp32_functions():
+    F = torch.nn.functional
+    for name in _FP32_FUNCTIONS:
+        fn = getattr(F, name, None)
+        if fn is None or getattr(fn, "_apex_fp32", False):
+            continue
+
+        def wrapped(*args, _fn=fn, **kwargs):
+            if _amp_state.opt_properties is None or not _amp_state.opt_properties.enabled or \
+                    not _amp_state.opt_properties.patch_torch_functions or \
+                    torch.is_autocast_enabled(_amp_state.device_type):
+                return _fn(*args, **kwargs)
+            return _fn(*[_widen(a) for a in args], **{k: _widen(v) for k, v in kwargs.items()})
+
+        wrapped = functools.wraps(fn)(wrapped)
+        wrapped._apex_fp32 = True
+        setattr(F, name, wrapped)
+
+
 def _is_batchnorm(module):
     return isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
 
@@ -355,6 +392,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     maybe_print(f"Selected optimization level {opt_level}", verbosity)
     maybe_print(f"Defaults for this optimization level are:\n{props!r}", verbosity)
 
+    if enabled and props.patch_torch_functions:
+        _patch_fp32_functions()
     if enabled:
         for m in models_list:
             if props.cast_model_type is not None and props.cast_model_type != torch.float32:

@@ -69,7 +69,9 @@ class LossScaler:
                                    [g for _, g in items], 1.0 / scale)
 
     def unscale_with_stashed(self, model_grads, stashed_master_grads, master_grads, scale=None):
-        """master = model / scale + stashed (gradient accumulation across scale_loss scopes)."""
+        """master = model / scale + stashed (gradient accumulation across scale_loss scopes).
+        Only the incoming gradients are checked, as apex checks them: an overflow an earlier loss
+        left in the stash was that loss's scaler's to report, not this one's."""
         scale = self._loss_scale if scale is None else scale
         triples = [(m, s, o) for m, s, o in zip(model_grads, stashed_master_grads, master_grads)
                    if m is not None]
@@ -79,7 +81,7 @@ class LossScaler:
         for (device, *_), items in by_key.items():
             ops.multi_tensor_axpby(self._flag(device), [m for m, _, _ in items],
                                    [s for _, s, _ in items], [o for _, _, o in items],
-                                   1.0 / scale, 1.0, -1)
+                                   1.0 / scale, 1.0, 0)
 
     def update_scale(self):
         """Reads the overflow flag (one host read) and advances the state machine. Returns whether
