@@ -28,6 +28,17 @@ def _lists(tensor_lists, depth, name):
     lengths = {len(lst) for lst in tensor_lists}
     if len(lengths) > 1:
         raise RuntimeError(f"amp_C.{name}: the tensor lists have different lengths {sorted(lengths)}")
+    # One device per call: a meta tensor among CPU ones would send the call to the fake kernel,
+    # which computes nothing.
+    first = None
+    for li, lst in enumerate(tensor_lists):
+        for i, t in enumerate(lst):
+            if first is None:
+                first = (li, i, t.device)
+            elif t.device != first[2]:
+                raise RuntimeError(f"amp_C.{name}: tensor_lists[{li}][{i}] is on {t.device} but "
+                                   f"tensor_lists[{first[0]}][{first[1]}] is on {first[2]}; every "
+                                   "tensor of one call must be on one device")
     return [list(lst) for lst in tensor_lists]
 
 

@@ -344,3 +344,111 @@ def test_o1_loss_outside_the_model_is_fp32():
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
     amp.initialize(model2, opt2, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
     assert F.mse_loss(out, torch.zeros_like(out)).dtype == torch.bfloat16
+
+
+def _snapshot(opt):
+    out = []
+    for g in opt.param_groups:
+        out.append({k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v))
+                    for k, v in g.items() if k != "params"})
+        out.extend(p.detach().clone() for p in g["params"])
+    for st in opt.state.values():
+        out.extend(v.clone() if torch.is_tensor(v) else v for v in st.values())
+    return out
+
+
+def _same(a, b):
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if torch.is_tensor(x):
+            if not torch.equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: FusedAdam(ps, lr=1e-2),
+    lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, dampening=0.1),
+    lambda ps: FusedLAMB(ps, lr=1e-2),
+    lambda ps: FusedNovoGrad(ps, lr=1e-2),
+    lambda ps: FusedAdagrad(ps, lr=1e-2),
+])
+@pytest.mark.parametrize("bad", ["shape", "dtype", "transposed", "sparse"])
+def test_a_refused_step_changes_nothing(make, bad):
+    torch.manual_seed(0)
+    a = [torch.randn(4, 5, requires_grad=True), torch.randn(3, requires_grad=True)]
+    b = [torch.randn(5, 4).t().contiguous().requires_grad_(True), torch.randn(6, requires_grad=True)]
+    opt = make([{"params": a}, {"params": b}])
+    for p in a + b:
+        p.grad = torch.randn_like(p)
+    opt.step()  # state exists now
+    for p in a + b:
+        p.grad = torch.randn_like(p)
+    # torch refuses such gradients on assignment; .data swaps (as code that casts or reshapes
+    # parameters by hand does) get them past it.
+    if bad == "shape":
+        b[1].data = torch.randn(7)
+    elif bad == "dtype":
+        b[1].grad.data = torch.ones(6, dtype=torch.float64)
+    elif bad == "transposed":
+        b[0].grad.data = torch.randn(5, 4).t()  # [4, 5], in the other memory order
+    else:
+        b[1].grad = torch.randn(6).to_sparse()
+    before = _snapshot(opt)
+    with pytest.raises(RuntimeError):
+        opt.step()
+    assert _same(_snapshot(opt), before), "a refused step changed the optimizer"
+
+
+def test_amp_C_refuses_mixed_devices_before_writing():
+    import amp_C
+    flag = torch.zeros(1, dtype=torch.int)
+    src = [torch.randn(5), torch.randn(3, device="meta")]
+    dst = [torch.zeros(5), torch.zeros(3)]
+    with pytest.raises(RuntimeError, match=r"tensor_lists\[0\]\[1\] is on meta but "
+                                           r"tensor_lists\[0\]\[0\] is on cpu"):
+        amp_C.multi_tensor_scale(2048, flag, [src, dst], 2.0)
+    with pytest.raises(RuntimeError, match="every tensor of one call must be on one device"):
+        amp_C.multi_tensor_l2norm(2048, flag, [src])
+    assert torch.equal(dst[0], torch.zeros(5))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(min_loss_scale=8.0, max_loss_scale=4.0), "min_loss_scale (8.0) must be <= max_loss"),
+    (dict(max_loss_scale=float("nan")), "max_loss_scale must be a finite number > 0, got nan"),
+    (dict(max_loss_scale=0), "max_loss_scale must be a finite number > 0, got 0"),
+    (dict(max_loss_scale=-1.0), "max_loss_scale must be a finite number > 0, got -1.0"),
+    (dict(min_loss_scale=float("inf")), "min_loss_scale must be a finite number > 0"),
+    (dict(cast_model_outputs=torch.int64), "cast_model_outputs must be a floating dtype"),
+])
+def test_amp_initialize_validates_before_changing_anything(kwargs, message):
+    model = small_model(13)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step, zero_grad = opt.step, opt.zero_grad
+    with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        amp.initialize(model, opt, opt_level="O2", verbosity=0, **kwargs)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert not hasattr(opt, "_amp_stash") and opt.step == step and opt.zero_grad == zero_grad
+
+
+def test_amp_load_state_dict_validates_masters_first():
+    model = small_model(14)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    x, y = batch(6)
+    with amp.scale_loss(F.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    state = amp.state_dict()
+    scale_before = amp._amp_state.loss_scalers[0].loss_scale()
+    masters_before = [m.clone() for m in amp.master_params(opt)]
+    bad = copy.deepcopy(state)
+    bad["loss_scaler0"]["loss_scale"] = 8.0
+    bad["master_params"][0][0] = torch.zeros(bad["master_params"][0][0].shape, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"master_params\[0\]\[0\] is a torch.int32 tensor"):
+        amp.load_state_dict(bad)
+    assert amp._amp_state.loss_scalers[0].loss_scale() == scale_before
+    assert all(torch.equal(a, b) for a, b in zip(masters_before, amp.master_params(opt)))

@@ -382,6 +382,21 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                                f"{p.dtype} (amp casts the model itself)")
     if not isinstance(num_losses, int) or num_losses < 1:
         raise RuntimeError(f"amp.initialize: num_losses must be an int >= 1, got {num_losses}")
+    # Every argument checked before anything changes (the model cast, the optimizer patched).
+    for name, v in (("min_loss_scale", min_loss_scale), ("max_loss_scale", max_loss_scale)):
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and
+                                  0 < v < float("inf")):
+            raise RuntimeError(f"amp.initialize: {name} must be a finite number > 0, got {v!r}")
+    if max_loss_scale is None:
+        raise RuntimeError("amp.initialize: max_loss_scale must be a finite number > 0, got None")
+    if min_loss_scale is not None and min_loss_scale > max_loss_scale:
+        raise RuntimeError(f"amp.initialize: min_loss_scale ({min_loss_scale}) must be <= "
+                           f"max_loss_scale ({max_loss_scale})")
+    if cast_model_outputs is not None and cast_model_outputs not in (
+            torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        raise RuntimeError(f"amp.initialize: cast_model_outputs must be a floating dtype "
+                           f"(torch.float32, float16, bfloat16 or float64), got "
+                           f"{cast_model_outputs!r}")
     props = _resolve(opt_level, enabled, half_dtype, dict(
         cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
         keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
@@ -473,11 +488,17 @@ def load_state_dict(state_dict):
         if len(masters) != len(opts):
             raise RuntimeError(f"amp.load_state_dict: master_params has {len(masters)} optimizer "
                                f"list(s), amp has {len(opts)} with master weights")
-        for o, ms in zip(opts, masters):
+        for i, (o, ms) in enumerate(zip(opts, masters)):
             own = o._amp_stash.all_fp32_from_fp16_params
-            if len(ms) != len(own) or any(a.shape != b.shape for a, b in zip(ms, own)):
-                raise RuntimeError("amp.load_state_dict: master_params do not fit this model's "
-                                   "half parameters")
+            if len(ms) != len(own):
+                raise RuntimeError(f"amp.load_state_dict: master_params[{i}] has {len(ms)} "
+                                   f"tensors, optimizer {i} has {len(own)} master weights")
+            for k, (a, b) in enumerate(zip(ms, own)):
+                if not torch.is_tensor(a) or not a.is_floating_point() or a.shape != b.shape:
+                    what = (f"a {type(a).__name__}" if not torch.is_tensor(a)
+                            else f"a {a.dtype} tensor of shape {tuple(a.shape)}")
+                    raise RuntimeError(f"amp.load_state_dict: master_params[{i}][{k}] is {what}, "
+                                       f"expected a floating tensor of shape {tuple(b.shape)}")
     for s, scale, unskipped in new:
         s._loss_scale = scale
         s._unskipped = unskipped

@@ -36,9 +36,47 @@ class _FusedOptimizer(torch.optim.Optimizer):
         first = next((p for g in self.param_groups for p in g["params"]), None)
         if first is None:  # no parameters at all (empty groups are skipped, as apex does)
             return loss
+        self._validate()
         with torch.no_grad():
             self._step(self._scaling(grad_scaler, first.device))
         return loss
+
+    def _validate(self):
+        """Every group's parameters and gradients checked before anything changes (step counters,
+        new moments, earlier groups' updates): a refused step leaves the optimizer as it was."""
+        name = type(self).__name__
+        floats = (torch.float32, torch.float16, torch.bfloat16)
+        seen = {}
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                where = f"parameter {i} of group {gi}"
+                if id(p) in seen:
+                    raise RuntimeError(f"{name}: {where} is the same tensor as {seen[id(p)]}; "
+                                       "each parameter may appear only once")
+                seen[id(p)] = where
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise RuntimeError(f"{name} does not support sparse gradients, please "
+                                       "consider SparseAdam instead")
+                if p.dtype not in floats or g.dtype not in floats:
+                    raise RuntimeError(f"{name}: {where} is {p.dtype} with a {g.dtype} gradient; "
+                                       "expected float32, float16 or bfloat16")
+                if g.shape != p.shape:
+                    raise RuntimeError(f"{name}: the gradient of {where} has shape "
+                                       f"{tuple(g.shape)}, expected the parameter's "
+                                       f"{tuple(p.shape)}")
+                if g.device != p.device:
+                    raise RuntimeError(f"{name}: the gradient of {where} is on {g.device}, the "
+                                       f"parameter on {p.device}")
+                if not _dense(p) or not _dense(g):
+                    raise RuntimeError(f"{name}: {where} and its gradient must be dense "
+                                       "(non-overlapping, no gaps)")
+                if any(n > 1 and a != b for n, a, b in zip(p.shape, p.stride(), g.stride())):
+                    raise RuntimeError(f"{name}: the gradient of {where} has strides "
+                                       f"{g.stride()} but the parameter has {p.stride()} (make "
+                                       "the gradient contiguous like its parameter)")
 
     def _step(self, scaling):
         for group in self.param_groups:
@@ -137,6 +175,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if "master_param" not in state:
             state["master_param"] = p.detach().clone().to(torch.float32)
         return state["master_param"]
+
+
+def _dense(t):
+    """Whether `t` covers exactly numel() consecutive elements of its storage (any dimension
+    order), as the kernels read it."""
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    expected = 1
+    for st, n in dims:
+        if st != expected:
+            return False
+        expected *= n
+    return True
 
 
 def grads_of(params):
