@@ -4,6 +4,7 @@
 
 #include "amp/half_model_check.h"
 #include "amp/unscale.h"
+#include "common/half_models.h"
 #include "common/io.h"
 
 #include <ATen/ops/_foreach_copy.h>
@@ -131,6 +132,9 @@ bool computes_in_half(const Properties& p) {
 AmpState::~AmpState() {
   std::lock_guard<std::mutex> lock(registry_mutex());
   for (const auto& e : entries) registry().erase(e.optimizer);
+  if (half_model_check) {
+    for (const auto& m : models) apex::detail::unregister_half_model(m.get());
+  }
 }
 
 bool AmpState::log_rank() const {
@@ -622,6 +626,8 @@ Amp::Amp(std::vector<std::shared_ptr<torch::nn::Module>> models,
   st.models = std::move(models);
   if (p.enabled && p.cast_model_type && *p.cast_model_type != at::kFloat) {
     st.half_model_check.emplace();
+    // apex::save_module writes its half tensors as fp32, as apex's O2 state dict did.
+    for (const auto& m : st.models) apex::detail::register_half_model(m.get());
   }
 
   bool any_copy = false;

@@ -10,16 +10,69 @@
 #include <torch/serialize/archive.h>
 
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "common/archive.h"
+#include "common/half_models.h"
 #include "common/io.h"
 
 namespace apex {
+namespace detail {
 namespace {
+std::mutex& half_models_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::unordered_map<const torch::nn::Module*, int>& half_models() {
+  static std::unordered_map<const torch::nn::Module*, int> m;
+  return m;
+}
+}  // namespace
+
+void register_half_model(const torch::nn::Module* module) {
+  const std::lock_guard<std::mutex> lock(half_models_mutex());
+  ++half_models()[module];
+}
+
+void unregister_half_model(const torch::nn::Module* module) {
+  const std::lock_guard<std::mutex> lock(half_models_mutex());
+  auto it = half_models().find(module);
+  if (it != half_models().end() && --it->second == 0) half_models().erase(it);
+}
+
+bool is_half_model(const torch::nn::Module* module) {
+  const std::lock_guard<std::mutex> lock(half_models_mutex());
+  return half_models().count(module) > 0;
+}
+}  // namespace detail
+
+namespace {
+
+bool is_half(const at::Tensor& t) {
+  return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
+}
+
+// Module::save's layout (parameters, buffers, then each child's archive), half tensors widened.
+void save_widened(const torch::nn::Module& module, torch::serialize::OutputArchive& archive) {
+  const auto widen = [](const at::Tensor& t) { return is_half(t) ? t.to(at::kFloat) : t; };
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) {
+    archive.write(p.key(), widen(p.value()));
+  }
+  for (const auto& b : module.named_buffers(/*recurse=*/false)) {
+    archive.write(b.key(), widen(b.value()), /*is_buffer=*/true);
+  }
+  for (const auto& c : module.named_children()) {
+    if (!c.value()->is_serializable()) continue;
+    torch::serialize::OutputArchive child(archive.compilation_unit());
+    save_widened(*c.value(), child);
+    archive.write(c.key(), child);
+  }
+}
 
 /// The bytes of `path`, checked: a zip archive in LibTorch's (TorchScript) format whose records
 /// all pass their CRC-32.
@@ -45,11 +98,45 @@ std::string what_of(const std::exception& e) {
   return c != nullptr ? c->what_without_backtrace() : e.what();
 }
 
+// Module::load's walk (parameters, buffers, each child's archive), but every archive tensor is
+// read first and checked against the module's (shape, dtype; fp32 into a half tensor only for an
+// amp O2/O3 model, whose save_module widened it), and written later with copy_. LibTorch's
+// loader set_()s each tensor onto the archive's storage, which for another dtype reinterprets
+// the bytes: an fp32 archive "loaded" into a bf16 model without an error.
+void read_checked(torch::nn::Module& module, torch::serialize::InputArchive& archive,
+                  const std::string& prefix, bool narrow,
+                  std::vector<std::pair<at::Tensor, at::Tensor>>& reads) {
+  const auto take = [&](const std::string& key, const at::Tensor& dst, bool is_buffer) {
+    if (!dst.defined()) return;
+    at::Tensor src;
+    archive.read(key, src, is_buffer);
+    TORCH_CHECK(src.sizes() == dst.sizes(), "'", prefix, key, "' has shape ", src.sizes(),
+                " in the file, the module's has ", dst.sizes());
+    TORCH_CHECK(src.scalar_type() == dst.scalar_type() ||
+                    (narrow && is_half(dst) && src.scalar_type() == at::kFloat),
+                "'", prefix, key, "' is ", src.scalar_type(), " in the file, the module's is ",
+                dst.scalar_type());
+    reads.emplace_back(dst, std::move(src));
+  };
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) take(p.key(), p.value(), false);
+  for (const auto& b : module.named_buffers(/*recurse=*/false)) take(b.key(), b.value(), true);
+  for (const auto& c : module.named_children()) {
+    if (!c.value()->is_serializable()) continue;
+    torch::serialize::InputArchive child;
+    archive.read(c.key(), child);
+    read_checked(*c.value(), child, prefix + c.key() + ".", narrow, reads);
+  }
+}
+
 }  // namespace
 
 void save_module(const torch::nn::Module& module, const std::string& path) {
   torch::serialize::OutputArchive archive;
-  module.save(archive);
+  if (detail::is_half_model(&module)) {
+    save_widened(module, archive);
+  } else {
+    module.save(archive);
+  }
   std::ostringstream out;
   archive.save_to(out);
   write_file_atomic(path, out.str());
@@ -80,7 +167,10 @@ void load_module(torch::nn::Module& module, const std::string& path) {
   try {
     torch::serialize::InputArchive archive;
     archive.load_from(in, device);
-    module.load(archive);
+    // Everything read and checked before anything is written.
+    std::vector<std::pair<at::Tensor, at::Tensor>> reads;
+    read_checked(module, archive, "", detail::is_half_model(&module), reads);
+    for (auto& [dst, src] : reads) dst.copy_(src);
     for (size_t i = 0; i < tensors.size(); ++i) {
       TORCH_CHECK(tensors[i].sizes() == at::IntArrayRef(shapes[i]) &&
                       tensors[i].scalar_type() == before[i].scalar_type() &&

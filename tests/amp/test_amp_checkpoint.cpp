@@ -1,5 +1,6 @@
 #include "amp_test_util.h"
 
+#include <apex/serialize.h>
 #include <torch/serialize.h>
 
 #include <filesystem>
@@ -102,4 +103,61 @@ TEST(AmpCheckpoint, StateDictHoldsScalersAndMasters) {
   // Only the half parameters have separate masters (conv + fc weights and biases: 6).
   EXPECT_EQ(list.size(), 6u);
   for (const auto& t : list) EXPECT_EQ(t.scalar_type(), at::kFloat);
+}
+
+// apex's O2 model state dict is fp32 (its hook): apex::save_module of an O2/O3 model writes the
+// half tensors widened, so the file loads into an fp32 model; load_module narrows them back into
+// the half model exactly. Without a live handle the model is saved as it is.
+TEST(AmpCheckpoint, HalfModelSavesAsFp32AndLoadsBothWays) {
+  const auto dir = std::filesystem::temp_directory_path() / "apex_amp_half_model_test";
+  std::filesystem::create_directories(dir);
+  const std::string file = (dir / "model.pt").string();
+  for (auto level : {OptLevel::O2, OptLevel::O3}) {
+    SCOPED_TRACE(apex::amp::to_string(level));
+    torch::manual_seed(3);
+    apex::test::Mlp model(16, 32, 4);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    auto amp =
+        apex::amp::initialize(model, opt, Options(level).half_dtype(at::kBFloat16).verbosity(0));
+    const auto b = apex::test::blob_batch(0);
+    amp.scale_loss(apex::test::cross_entropy(amp.forward(model, b.x), b.y)).backward();
+    opt.step();
+    amp.sync_model();
+    const auto saved = apex::test::snapshot(model->parameters());
+    apex::save_module(*model, file);
+
+    apex::test::Mlp plain(16, 32, 4);  // fp32
+    apex::load_module(*plain, file);
+    for (size_t i = 0; i < saved.size(); ++i) {
+      EXPECT_EQ(plain->parameters()[i].scalar_type(), at::kFloat);
+      EXPECT_TRUE(at::equal(plain->parameters()[i], saved[i].to(at::kFloat))) << i;
+    }
+    // Back into the half model (changed meanwhile): bit for bit, dtype kept.
+    {
+      const at::NoGradGuard g;
+      for (auto& p : model->parameters()) p.add_(1.0);
+    }
+    apex::load_module(*model, file);
+    for (size_t i = 0; i < saved.size(); ++i) {
+      EXPECT_EQ(model->parameters()[i].scalar_type(), at::kBFloat16);
+      EXPECT_TRUE(at::equal(model->parameters()[i], saved[i])) << i;
+    }
+  }
+  // No handle alive: a half model is saved as it is (and an fp32 model refuses it).
+  apex::test::Mlp half(16, 32, 4);
+  half->to(at::kBFloat16);
+  apex::save_module(*half, file);
+  apex::test::Mlp plain(16, 32, 4);
+  EXPECT_TRUE(apex::test::throws_with([&] { apex::load_module(*plain, file); },
+                                      "is BFloat16 in the file, the module's is Float"));
+  // The other way: an fp32 file into a bf16 model that no amp handle cast. LibTorch's loader
+  // re-pointed the bf16 tensors at the fp32 bytes (garbage, no error); now refused, unchanged.
+  apex::save_module(*plain, file);
+  const auto before = apex::test::snapshot(half->parameters());
+  EXPECT_TRUE(apex::test::throws_with([&] { apex::load_module(*half, file); },
+                                      "is Float in the file, the module's is BFloat16"));
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_TRUE(at::equal(half->parameters()[i], before[i])) << i;
+  }
+  std::filesystem::remove_all(dir);
 }
