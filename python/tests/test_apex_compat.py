@@ -452,3 +452,50 @@ def test_amp_load_state_dict_validates_masters_first():
         amp.load_state_dict(bad)
     assert amp._amp_state.loss_scalers[0].loss_scale() == scale_before
     assert all(torch.equal(a, b) for a, b in zip(masters_before, amp.master_params(opt)))
+
+
+def test_load_state_dict_checks_before_replacing_and_reads_torch_adamw():
+    model = small_model(15)
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    x, y = batch(7)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    good = copy.deepcopy(opt.state_dict())
+    before = _snapshot(opt)
+    # A moment of the wrong shape, another optimizer's state, a foreign object: clear errors,
+    # nothing replaced.
+    wrong = copy.deepcopy(good)
+    wrong["state"][0]["exp_avg"] = torch.zeros(3)
+    sgd = FusedSGD(small_model(15).parameters(), lr=0.1, momentum=0.9)
+    F.cross_entropy(small_model(15)(x), y)
+    for p in sgd.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    sgd.step()
+    for bad, message in ((wrong, r"'exp_avg' of parameter 0 is torch.float32 \(3,\), expected"),
+                         (sgd.state_dict(), "holds 'momentum_buffer', which FusedAdam does not"),
+                         ({"weights": 1}, "expected an optimizer state dict")):
+        with pytest.raises(ValueError, match=message):
+            opt.load_state_dict(bad)
+        assert _same(_snapshot(opt), before)
+    # torch.optim.AdamW's own state (step per parameter) converts: the next steps are equal.
+    ref_model = small_model(15)
+    fused_model = copy.deepcopy(ref_model)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    for s in range(3):
+        ref.zero_grad()
+        F.cross_entropy(ref_model(*batch(20 + s)[:1]), batch(20 + s)[1]).backward()
+        ref.step()
+    with torch.no_grad():
+        for a, b in zip(fused_model.parameters(), ref_model.parameters()):
+            a.copy_(b)
+    fused = FusedAdam(fused_model.parameters(), lr=1e-2)
+    fused.load_state_dict(copy.deepcopy(ref.state_dict()))  # torch shares the tensors
+    assert fused.param_groups[0]["step"] == 3
+    for s in range(3, 6):
+        xb, yb = batch(20 + s)
+        for m, o in ((ref_model, ref), (fused_model, fused)):
+            o.zero_grad()
+            F.cross_entropy(m(xb), yb).backward()
+            o.step()
+    for a, b in zip(fused_model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -83,10 +83,55 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if group["params"]:
                 self._step_group(group, scaling)
 
+    # Per-parameter state keys of each optimizer: tensors shaped like the parameter, and others.
+    _elementwise_state = ()
+    _other_state = ()
+
+    def _check_state_dict(self, state_dict):
+        """Kind, keys, shapes and dtypes of a state dict, checked before anything is replaced
+        (torch's loader replaces first and a bad entry fails later, in a step)."""
+        name = type(self).__name__
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+            keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"{name}.load_state_dict: expected an optimizer state dict with "
+                             f"'state' and 'param_groups', got {keys}")
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+                len(g.get("params", ())) != len(o["params"]) for g, o in zip(groups, self.param_groups)):
+            raise ValueError(f"{name}.load_state_dict: the state has "
+                             f"{[len(g.get('params', ())) for g in groups]} parameters per group, "
+                             f"this optimizer {[len(g['params']) for g in self.param_groups]}")
+        allowed = set(self._elementwise_state) | set(self._other_state)
+        ids = chain.from_iterable(g["params"] for g in groups)
+        for index, (pid, p) in enumerate(zip(ids, chain.from_iterable(
+                g["params"] for g in self.param_groups))):
+            entry = state_dict["state"].get(pid)
+            if entry is None:
+                continue
+            if not isinstance(entry, dict):
+                raise ValueError(f"{name}.load_state_dict: the state of parameter {index} is a "
+                                 f"{type(entry).__name__}, expected a dict")
+            for key, value in entry.items():
+                if allowed and key not in allowed:
+                    raise ValueError(f"{name}.load_state_dict: the state of parameter {index} "
+                                     f"holds {key!r}, which {name} does not keep (expected "
+                                     f"{sorted(allowed)}): another optimizer's state?")
+                if key in self._elementwise_state:
+                    if not torch.is_tensor(value) or not value.is_floating_point() or \
+                            value.shape != p.shape:
+                        got = (f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value)
+                               else type(value).__name__)
+                        raise ValueError(f"{name}.load_state_dict: {key!r} of parameter {index} "
+                                         f"is {got}, expected a floating tensor of shape "
+                                         f"{tuple(p.shape)}")
+
     def load_state_dict(self, state_dict):
         """torch's loader casts every floating state tensor to its parameter's dtype, but the
         kernels keep optimizer state and masters in fp32 (a bf16 moment would be written as fp32
-        past its end): state saved for half parameters is put back in fp32."""
+        past its end): state saved for half parameters is put back in fp32. Everything is checked
+        before anything changes."""
+        state_dict = self._convert_state_dict(state_dict)
+        self._check_state_dict(state_dict)
         saved = state_dict["state"]
         ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         keep = {}
@@ -99,6 +144,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for (p, key), value in keep.items():
             self.state[p][key] = value
+
+    def _convert_state_dict(self, state_dict):
+        """Hook for layouts another optimizer writes (FusedAdam reads torch's Adam/AdamW)."""
+        return state_dict
 
     @staticmethod
     def _check_legacy(name, **legacy):

@@ -9,6 +9,9 @@ class FusedAdagrad(_FusedOptimizer):
     """Adagrad (torch.optim.Adagrad's update; apex's ``adagrad_w_mode`` decays the weights
     directly). State: ``sum`` (fp32) and ``step`` per parameter, as torch.optim.Adagrad keeps."""
 
+    _elementwise_state = ("sum",)
+    _other_state = ("step",)
+
     def __init__(self, params, lr=1e-2, eps=1e-10, weight_decay=0.0, set_grad_none=True,
                  adagrad_w_mode=False, lr_decay=0.0, initial_accumulator_value=0.0):
         if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and lr_decay >= 0

@@ -1,3 +1,5 @@
+import copy
+
 import torch
 
 from apex._ops import ops
@@ -15,6 +17,42 @@ class FusedAdam(_FusedOptimizer):
     (``state["master_param"]``), updated in the same pass. Under ``torch.amp.GradScaler`` the
     gradients are unscaled inside the kernel and an overflow skips the step.
     """
+
+    _elementwise_state = ("exp_avg", "exp_avg_sq", "master_param")
+
+    def _convert_state_dict(self, state_dict):
+        """torch.optim.Adam/AdamW keep `step` per parameter; apex's FusedAdam per group. A state
+        in torch's layout (amsgrad off) is converted: each group's step is its parameters'."""
+        if not isinstance(state_dict, dict) or "state" not in state_dict or \
+                "param_groups" not in state_dict:
+            return state_dict
+        states = state_dict["state"]
+        if not any(isinstance(v, dict) and "step" in v for v in states.values()):
+            return state_dict
+        if any(isinstance(v, dict) and "max_exp_avg_sq" in v for v in states.values()):
+            raise ValueError("FusedAdam.load_state_dict: the state is torch's Adam with amsgrad, "
+                             "which FusedAdam does not support")
+        state_dict = copy.copy(state_dict)
+        # torch's groups lack FusedAdam's own options (bias_correction, ...): this optimizer's
+        # current values fill them, torch's hyperparameters (lr, betas, eps, ...) win.
+        groups = [dict({k: v for k, v in own.items() if k != "params"}, **g)
+                  for own, g in zip(self.param_groups, state_dict["param_groups"])]
+        new_states = {}
+        for g in groups:
+            steps = {int(torch.as_tensor(states[i]["step"]).item()) for i in g["params"]
+                     if i in states and "step" in states[i]}
+            if len(steps) > 1:
+                raise ValueError(f"FusedAdam.load_state_dict: torch's state has parameters at "
+                                 f"different steps {sorted(steps)} in one group; FusedAdam keeps "
+                                 "one step per group")
+            if steps:
+                g["step"] = steps.pop()
+            for i in g["params"]:
+                if i in states:
+                    new_states[i] = {k: v for k, v in states[i].items() if k != "step"}
+        state_dict["param_groups"] = groups
+        state_dict["state"] = new_states
+        return state_dict
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
                  adam_w_mode=True, weight_decay=0.0, amsgrad=False, set_grad_none=True,

@@ -11,6 +11,8 @@ class FusedLAMB(_FusedOptimizer):
     ``lr * |p| / |u|`` (when weight decay or ``use_nvlamb``). Unlike apex, the gradients are never
     overwritten by the update. State: ``exp_avg``, ``exp_avg_sq``; step count in the group."""
 
+    _elementwise_state = ("exp_avg", "exp_avg_sq", "master_param")
+
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True,
                  set_grad_none=True, max_grad_norm=1.0, use_nvlamb=False):

@@ -12,6 +12,8 @@ class FusedSGD(_FusedOptimizer):
     ``materialize_master_grads`` is accepted for apex's signature (amp O2 keeps its own fp32
     gradients here)."""
 
+    _elementwise_state = ("momentum_buffer", "master_param")
+
     def __init__(self, params, lr=required, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, wd_after_momentum=False, materialize_master_grads=True,
                  set_grad_none=False):
