@@ -499,3 +499,23 @@ def test_load_state_dict_checks_before_replacing_and_reads_torch_adamw():
             o.step()
     for a, b in zip(fused_model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_overlapping_parameters_are_refused_before_any_change():
+    base = torch.randn(10, requires_grad=True)
+    a = base[:6].detach().requires_grad_(True)   # views of one storage, overlapping at 4..5
+    b = base[4:].detach().requires_grad_(True)
+    opt = FusedAdam([a, b], lr=1e-2)
+    a.grad, b.grad = torch.randn(6), torch.randn(6)
+    before = base.detach().clone()
+    with pytest.raises(RuntimeError, match="parameter 1 of group 0 shares memory with parameter 0 "
+                                           "of group 0"):
+        opt.step()
+    assert torch.equal(base.detach(), before) and not opt.state
+    # Disjoint views of one storage are fine.
+    c = base[:5].detach().requires_grad_(True)
+    d = base[5:].detach().requires_grad_(True)
+    opt2 = FusedSGD([c, d], lr=0.1)
+    c.grad, d.grad = torch.ones(5), torch.ones(5)
+    opt2.step()
+    torch.testing.assert_close(base.detach(), before - 0.1)

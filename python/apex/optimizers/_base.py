@@ -46,6 +46,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         new moments, earlier groups' updates): a refused step leaves the optimizer as it was."""
         name = type(self).__name__
         floats = (torch.float32, torch.float16, torch.bfloat16)
+        self._check_no_overlap(name)
         seen = {}
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
@@ -77,6 +78,24 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"{name}: the gradient of {where} has strides "
                                        f"{g.stride()} but the parameter has {p.stride()} (make "
                                        "the gradient contiguous like its parameter)")
+
+    def _check_no_overlap(self, name):
+        """Parameters that share memory (views of one tensor, or the same storage twice) would
+        be updated twice in one step, each update reading the other's half-written values:
+        refused, naming both (torch.optim updates them twice, one after the other)."""
+        spans = []
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.numel() == 0 or p.device.type == "meta":
+                    continue
+                start = p.data_ptr()
+                spans.append((start, start + p.numel() * p.element_size(), p.device, gi, i))
+        spans.sort(key=lambda t: (str(t[2]), t[0]))
+        for a, b in zip(spans, spans[1:]):
+            if a[2] == b[2] and b[0] < a[1]:
+                raise RuntimeError(f"{name}: parameter {b[4]} of group {b[3]} shares memory with "
+                                   f"parameter {a[4]} of group {a[3]}; each parameter must own "
+                                   "its memory (one update per element per step)")
 
     def _step(self, scaling):
         for group in self.param_groups:
