@@ -4,7 +4,6 @@
 
 #include "amp/half_model_check.h"
 #include "amp/unscale.h"
-#include "common/half_models.h"
 #include "common/io.h"
 
 #include <ATen/ops/_foreach_copy.h>
@@ -83,7 +82,8 @@ struct AmpState {
   // Static scale 1.0 without master weights: apex's fast path, no unscale and no check.
   bool fast_path = false;
   bool unscale_in_optimizer = false;
-  // O2/O3: a model cast to half, called with fp32 input outside forward(), gets amp's message.
+  // O2/O3: the models cast to half get amp's message when called with fp32 input outside
+  // forward(), and are saved in fp32 by apex::save_module.
   std::optional<HalfModelCheck> half_model_check;
 
   ~AmpState();
@@ -100,9 +100,10 @@ struct AmpState {
   void clear_grads(OptimizerEntry& e);
   void copy_masters_to_model(OptimizerEntry& e);
   static void record_versions(OptimizerEntry& e);
-  /// Notices the user's own optimizer.step() (or any other change to the parameters the optimizer
-  /// holds) since the last sync: copies the fp32 masters into the model and ends the iteration.
-  /// Returns true when a step after a backward was seen.
+  /// Copies the fp32 masters into the model where something else changed them since the last
+  /// copy (their version counters moved), or, until amp.step() is used, after every backward (the
+  /// user's own optimizer.step() may not move them: torch::optim::SGD writes through .data()).
+  /// Returns whether the masters' versions had moved.
   bool sync(OptimizerEntry& e);
   void sync_all();
   static void materialize_deferred(OptimizerEntry& e);
@@ -132,9 +133,6 @@ bool computes_in_half(const Properties& p) {
 AmpState::~AmpState() {
   std::lock_guard<std::mutex> lock(registry_mutex());
   for (const auto& e : entries) registry().erase(e.optimizer);
-  if (half_model_check) {
-    for (const auto& m : models) apex::detail::unregister_half_model(m.get());
-  }
 }
 
 bool AmpState::log_rank() const {
@@ -410,7 +408,8 @@ bool AmpState::step(const std::vector<size_t>& indices) {
     auto& e = entries[i];
     // Seen where the optimizer bumps its parameters' version counters (torch::optim's Adam,
     // AdamW, Adagrad, RMSprop; apex's fused optimizers), not through .data() (torch::optim::SGD).
-    TORCH_CHECK(!(sync(e) && e.backward_since_step), "Amp::step: optimizer ", i,
+    const bool stepped_already = sync(e) && e.backward_since_step;
+    TORCH_CHECK(!stepped_already, "Amp::step: optimizer ", i,
                 " was already stepped after the last backward (its own optimizer.step()); call "
                 "either optimizer.step() or amp.step() once per iteration, not both");
     TORCH_CHECK(!e.scaled_pending, "Amp::step: optimizer ", i,
@@ -625,9 +624,7 @@ Amp::Amp(std::vector<std::shared_ptr<torch::nn::Module>> models,
   }
   st.models = std::move(models);
   if (p.enabled && p.cast_model_type && *p.cast_model_type != at::kFloat) {
-    st.half_model_check.emplace();
-    // apex::save_module writes its half tensors as fp32, as apex's O2 state dict did.
-    for (const auto& m : st.models) apex::detail::register_half_model(m.get());
+    st.half_model_check.emplace(st.models);
   }
 
   bool any_copy = false;

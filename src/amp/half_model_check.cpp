@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include "amp/quiet_registration.h"
+#include "common/half_models.h"
 
 #include <atomic>
 #include <mutex>
@@ -29,15 +30,11 @@ namespace {
 
 std::atomic<int> live_half_models{0};
 
-bool is_half(const at::Tensor& t) {
-  return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
-}
-
 void check(const char* op, const at::Tensor& input, const at::Tensor& weight) {
   if (live_half_models.load(std::memory_order_relaxed) == 0) return;
   if (!input.defined() || !weight.defined()) return;
-  TORCH_CHECK(input.scalar_type() != at::kFloat || !is_half(weight), "apex::amp: ", op, " got ",
-              input.scalar_type(), " input and ", weight.scalar_type(),
+  TORCH_CHECK(input.scalar_type() != at::kFloat || !apex::detail::is_half(weight.scalar_type()),
+              "apex::amp: ", op, " got ", input.scalar_type(), " input and ", weight.scalar_type(),
               " weights. A model that amp::initialize cast to ", weight.scalar_type(),
               " (O2/O3) must be called through amp.forward(model, x), which casts its floating "
               "inputs (for evaluation too); or cast the input to ",
@@ -108,11 +105,16 @@ void register_checks() {
 
 }  // namespace
 
-HalfModelCheck::HalfModelCheck() {
+HalfModelCheck::HalfModelCheck(std::vector<std::shared_ptr<torch::nn::Module>> models)
+    : models_(std::move(models)) {
   register_checks();
   live_half_models.fetch_add(1, std::memory_order_relaxed);
+  for (const auto& m : models_) apex::detail::register_half_model(m.get());
 }
 
-HalfModelCheck::~HalfModelCheck() { live_half_models.fetch_sub(1, std::memory_order_relaxed); }
+HalfModelCheck::~HalfModelCheck() {
+  for (const auto& m : models_) apex::detail::unregister_half_model(m.get());
+  live_half_models.fetch_sub(1, std::memory_order_relaxed);
+}
 
 }  // namespace apex::amp::detail

@@ -53,13 +53,11 @@ bool is_half_model(const torch::nn::Module* module) {
 
 namespace {
 
-bool is_half(const at::Tensor& t) {
-  return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
-}
-
 // Module::save's layout (parameters, buffers, then each child's archive), half tensors widened.
 void save_widened(const torch::nn::Module& module, torch::serialize::OutputArchive& archive) {
-  const auto widen = [](const at::Tensor& t) { return is_half(t) ? t.to(at::kFloat) : t; };
+  const auto widen = [](const at::Tensor& t) {
+    return detail::is_half(t.scalar_type()) ? t.to(at::kFloat) : t;
+  };
   for (const auto& p : module.named_parameters(/*recurse=*/false)) {
     archive.write(p.key(), widen(p.value()));
   }
@@ -112,10 +110,11 @@ void read_checked(torch::nn::Module& module, torch::serialize::InputArchive& arc
     archive.read(key, src, is_buffer);
     TORCH_CHECK(src.sizes() == dst.sizes(), "'", prefix, key, "' has shape ", src.sizes(),
                 " in the file, the module's has ", dst.sizes());
-    TORCH_CHECK(src.scalar_type() == dst.scalar_type() ||
-                    (narrow && is_half(dst) && src.scalar_type() == at::kFloat),
-                "'", prefix, key, "' is ", src.scalar_type(), " in the file, the module's is ",
-                dst.scalar_type());
+    TORCH_CHECK(
+        src.scalar_type() == dst.scalar_type() ||
+            (narrow && detail::is_half(dst.scalar_type()) && src.scalar_type() == at::kFloat),
+        "'", prefix, key, "' is ", src.scalar_type(), " in the file, the module's is ",
+        dst.scalar_type());
     reads.emplace_back(dst, std::move(src));
   };
   for (const auto& p : module.named_parameters(/*recurse=*/false)) take(p.key(), p.value(), false);
@@ -146,18 +145,11 @@ void load_module(torch::nn::Module& module, const std::string& path) {
   const std::string who = "load_module";
   std::istringstream in(
       read_torch_archive(path, who, "a module archive (torch::save, save_module)"));
-  // Every parameter and buffer as it is now, to put back if anything fails.
   std::vector<at::Tensor> tensors;
   for (const auto& p : module.parameters()) tensors.push_back(p);
   for (const auto& b : module.buffers()) tensors.push_back(b);
-  std::vector<at::Tensor> before;
-  std::vector<std::vector<int64_t>> shapes;
-  for (const auto& t : tensors) {
-    before.push_back(t.detach().clone());
-    shapes.push_back(t.sizes().vec());
-  }
   const at::NoGradGuard no_grad;
-  // Loaded onto the module's device (LibTorch would otherwise move a parameter to the archive's).
+  // Read onto the module's device where it has one, so that the copies stay on it.
   std::optional<c10::Device> device;
   for (const auto& t : tensors) {
     if (!device) device = t.device();
@@ -167,28 +159,13 @@ void load_module(torch::nn::Module& module, const std::string& path) {
   try {
     torch::serialize::InputArchive archive;
     archive.load_from(in, device);
-    // Everything read and checked before anything is written.
+    // Everything read and checked (shape, dtype) before anything is written: a failure leaves
+    // the module as it was, with no copy of it kept aside. copy_ keeps each tensor's shape,
+    // dtype and device.
     std::vector<std::pair<at::Tensor, at::Tensor>> reads;
     read_checked(module, archive, "", detail::is_half_model(&module), reads);
     for (auto& [dst, src] : reads) dst.copy_(src);
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      TORCH_CHECK(tensors[i].sizes() == at::IntArrayRef(shapes[i]) &&
-                      tensors[i].scalar_type() == before[i].scalar_type() &&
-                      tensors[i].device() == before[i].device(),
-                  "tensor ", i, " of the module would change from ", before[i].scalar_type(),
-                  at::IntArrayRef(shapes[i]), " on ", before[i].device(), " to ",
-                  tensors[i].scalar_type(), tensors[i].sizes(), " on ", tensors[i].device());
-    }
   } catch (const std::exception& e) {
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      if (tensors[i].sizes() != before[i].sizes() ||
-          tensors[i].scalar_type() != before[i].scalar_type() ||
-          tensors[i].device() != before[i].device()) {
-        tensors[i].set_data(before[i]);  // as LibTorch's loader re-points them
-      } else {
-        tensors[i].copy_(before[i]);
-      }
-    }
     TORCH_CHECK(false, who, ": '", path, "' does not hold this module's parameters and buffers (",
                 what_of(e), "); the module is unchanged");
   }

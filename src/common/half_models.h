@@ -1,5 +1,7 @@
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
 namespace torch::nn {
 class Module;
 }
@@ -13,5 +15,8 @@ namespace apex::detail {
 void register_half_model(const torch::nn::Module* module);
 void unregister_half_model(const torch::nn::Module* module);
 bool is_half_model(const torch::nn::Module* module);
+
+/// fp16 or bf16: the dtypes amp casts models to.
+inline bool is_half(c10::ScalarType t) { return t == c10::kHalf || t == c10::kBFloat16; }
 
 }  // namespace apex::detail
