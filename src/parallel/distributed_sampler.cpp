@@ -6,23 +6,18 @@
 #include <c10/util/Exception.h>
 #include <torch/serialize/archive.h>
 
+#include "parallel/env.h"
+
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 namespace apex::parallel {
 namespace {
 
-std::optional<int64_t> env_int(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  try {
-    size_t used = 0;
-    const int64_t value = std::stoll(v, &used);
-    if (used == std::string(v).size()) return value;
-  } catch (const std::exception&) {
-  }
-  TORCH_CHECK(false, "DistributedSampler: $", name, " must be an integer, got '", v, "'");
+// $name as a whole number in [lo, hi] (torchrun's RANK / WORLD_SIZE), or `fallback` when unset.
+int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
+  const auto v = detail::env(name);
+  return v ? detail::parse_int(*v, "DistributedSampler", name, lo, hi) : fallback;
 }
 
 }  // namespace
@@ -35,14 +30,14 @@ DistributedSampler::DistributedSampler(size_t dataset_size, DistributedSamplerOp
   } else if (group.valid()) {
     num_replicas_ = group.size();
   } else {
-    num_replicas_ = env_int("WORLD_SIZE").value_or(1);
+    num_replicas_ = env_int("WORLD_SIZE", 1, 1, detail::kMaxWorld);
   }
   if (options.rank()) {
     rank_ = *options.rank();
   } else if (group.valid() && !options.num_replicas()) {
     rank_ = group.rank();
   } else {
-    rank_ = env_int("RANK").value_or(0);
+    rank_ = env_int("RANK", 0, 0, detail::kMaxWorld - 1);
   }
   TORCH_CHECK(num_replicas_ >= 1, "DistributedSampler: num_replicas must be >= 1, got ",
               num_replicas_);

@@ -17,6 +17,7 @@
 #include <mutex>
 
 #include "parallel/backends.h"
+#include "parallel/env.h"
 #include "parallel/errors.h"
 #include "parallel/process_group_state.h"
 
@@ -25,22 +26,8 @@ namespace {
 
 using detail::message_of;
 
-std::optional<std::string> env(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  return std::string(v);
-}
-
-// A whole decimal integer in [lo, hi], or a one-line error naming the variable.
-int64_t parse_int(const std::string& text, const char* what, int64_t lo, int64_t hi) {
-  errno = 0;
-  char* end = nullptr;
-  const long long v = std::strtoll(text.c_str(), &end, 10);
-  TORCH_CHECK(errno == 0 && end != text.c_str() && *end == '\0' && v >= lo && v <= hi,
-              "apex::parallel::init_process_group: ", what, " must be an integer in [", lo, ", ",
-              hi, "], got '", text, "'");
-  return v;
-}
+using detail::env;
+using detail::parse_int;
 
 bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
@@ -211,7 +198,7 @@ c10::intrusive_ptr<c10d::Store> c10d_store(const ProcessGroup& group) {
 
 ProcessGroup init_process_group(const ProcessGroupOptions& o) {
   const char* who = "apex::parallel::init_process_group";
-  constexpr int64_t kMaxWorld = 1 << 20;
+  using detail::kMaxWorld;
   // -1 means "unset" (the environment, else the default); any other negative value is an error.
   TORCH_CHECK(o.world_size() >= -1, who, ": world_size must be in [1, ", kMaxWorld,
               "] (or -1: $WORLD_SIZE), got ", o.world_size());
@@ -220,10 +207,10 @@ ProcessGroup init_process_group(const ProcessGroupOptions& o) {
               ": master_port must be in [1, 65535] (or -1: $MASTER_PORT), got ", o.master_port());
   const int64_t world = o.world_size() >= 0 ? o.world_size()
                         : env("WORLD_SIZE")
-                            ? parse_int(*env("WORLD_SIZE"), "WORLD_SIZE", 1, kMaxWorld)
+                            ? parse_int(*env("WORLD_SIZE"), who, "WORLD_SIZE", 1, kMaxWorld)
                             : 1;
   const int64_t rank = o.rank() >= 0 ? o.rank()
-                       : env("RANK") ? parse_int(*env("RANK"), "RANK", 0, kMaxWorld - 1)
+                       : env("RANK") ? parse_int(*env("RANK"), who, "RANK", 0, kMaxWorld - 1)
                                      : 0;
   TORCH_CHECK(world >= 1 && world <= kMaxWorld, who, ": world_size must be in [1, ", kMaxWorld,
               "], got ", world);
@@ -234,7 +221,7 @@ ProcessGroup init_process_group(const ProcessGroupOptions& o) {
       !o.master_addr().empty() ? o.master_addr() : env("MASTER_ADDR").value_or("127.0.0.1");
   const int64_t port = o.master_port() >= 0 ? o.master_port()
                        : env("MASTER_PORT")
-                           ? parse_int(*env("MASTER_PORT"), "MASTER_PORT", 1, 65535)
+                           ? parse_int(*env("MASTER_PORT"), who, "MASTER_PORT", 1, 65535)
                            : 29500;
   TORCH_CHECK(port >= 1 && port <= 65535, who, ": master_port must be in [1, 65535], got ", port);
   const bool agent = o.use_agent_store().has_value()
