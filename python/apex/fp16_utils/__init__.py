@@ -6,6 +6,8 @@ import warnings
 
 import torch
 
+from apex.amp.frontend import _cast_model, _is_batchnorm
+
 __all__ = ["to_python_float", "network_to_half", "convert_network", "BN_convert_float",
            "prep_param_lists", "model_grads_to_master_grads", "master_params_to_model_params",
            "FP16_Optimizer"]
@@ -18,13 +20,9 @@ def to_python_float(t):
     return float(t)
 
 
-def _is_bn(module):
-    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
-
-
 def BN_convert_float(module):
     """Affine BatchNorm layers back to fp32 (their statistics need the range)."""
-    if _is_bn(module) and module.affine:
+    if _is_batchnorm(module) and module.affine:
         module.float()
     for child in module.children():
         BN_convert_float(child)
@@ -32,17 +30,9 @@ def BN_convert_float(module):
 
 
 def convert_network(network, dtype):
-    """Floating parameters and buffers to `dtype`, affine BatchNorm layers kept in fp32."""
-    for module in network.modules():
-        if _is_bn(module) and module.affine:
-            continue
-        for p in module.parameters(recurse=False):
-            if p.is_floating_point():
-                p.data = p.data.to(dtype)
-        for name, b in module.named_buffers(recurse=False):
-            if b is not None and b.is_floating_point():
-                setattr(module, name, b.to(dtype))
-    return network
+    """Floating parameters and buffers to `dtype`, affine BatchNorm layers kept in fp32 (amp's
+    own model cast at O2)."""
+    return _cast_model(network, dtype, keep_batchnorm_fp32=True)
 
 
 class _ToHalf(torch.nn.Module):

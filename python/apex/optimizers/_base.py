@@ -46,15 +46,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         new moments, earlier groups' updates): a refused step leaves the optimizer as it was."""
         name = type(self).__name__
         floats = (torch.float32, torch.float16, torch.bfloat16)
-        self._check_no_overlap(name)
-        seen = {}
+        self._check_no_overlap(name)  # also the same tensor twice
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
                 where = f"parameter {i} of group {gi}"
-                if id(p) in seen:
-                    raise RuntimeError(f"{name}: {where} is the same tensor as {seen[id(p)]}; "
-                                       "each parameter may appear only once")
-                seen[id(p)] = where
                 g = p.grad
                 if g is None:
                     continue
