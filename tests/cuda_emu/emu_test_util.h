@@ -25,6 +25,10 @@ namespace cuda_emu_test {
 
 using apex::kernels::DType;
 
+inline constexpr DType kF32 = DType::kFloat32;
+inline constexpr DType kF16 = DType::kFloat16;
+inline constexpr DType kBF16 = DType::kBFloat16;
+
 // ---------------------------------------------------------------------------------------------
 // Schedules
 // ---------------------------------------------------------------------------------------------

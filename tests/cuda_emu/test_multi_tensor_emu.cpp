@@ -23,13 +23,12 @@ namespace k = apex::kernels;
 using cuda_emu_test::Buffer;
 using cuda_emu_test::close;
 using cuda_emu_test::guards_intact;
+using cuda_emu_test::kBF16;
+using cuda_emu_test::kF16;
+using cuda_emu_test::kF32;
 using cuda_emu_test::round_to;
 using cuda_emu_test::tolerance_for;
 using k::DType;
-
-constexpr DType kF32 = DType::kFloat32;
-constexpr DType kF16 = DType::kFloat16;
-constexpr DType kBF16 = DType::kBFloat16;
 constexpr int64_t kChunk = 65536;
 
 /// Element counts of `count` tensors: chunk edges, empty and tiny tensors among small ones. The

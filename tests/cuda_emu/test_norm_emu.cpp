@@ -22,11 +22,10 @@ using apex::kernels::NormForwardArgs;
 using cuda_emu_test::Buffer;
 using cuda_emu_test::close;
 using cuda_emu_test::guards_intact;
+using cuda_emu_test::kBF16;
+using cuda_emu_test::kF16;
+using cuda_emu_test::kF32;
 using cuda_emu_test::tolerance_for;
-
-constexpr DType kF32 = DType::kFloat32;
-constexpr DType kF16 = DType::kFloat16;
-constexpr DType kBF16 = DType::kBFloat16;
 
 enum Affine { kNone = 0, kWeight = 1, kWeightBias = 2 };
 
