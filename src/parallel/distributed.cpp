@@ -11,6 +11,8 @@
 
 #include <cmath>
 #include <limits>
+#include <sstream>
+#include <string>
 #include <unordered_set>
 
 #include "parallel/errors.h"
@@ -21,6 +23,31 @@ namespace {
 constexpr const char* kWho = "apex::parallel::DistributedDataParallel";
 // Rank 0's parameters and buffers reach the others in pieces of this many bytes (torch's).
 constexpr size_t kBroadcastBucketBytes = 250u << 20;
+
+// "Float [12, 4]": what a parameter or buffer must agree on across ranks.
+std::string describe(const at::Tensor& t) {
+  std::string d = std::string(c10::toString(t.scalar_type())) + " [";
+  for (size_t i = 0; i < t.sizes().size(); ++i) {
+    d += (i > 0 ? ", " : "") + std::to_string(t.sizes()[i]);
+  }
+  return d + "]";
+}
+
+// The first line where rank `r`'s description differs from rank 0's, both sides named.
+std::string first_difference(const std::string& zero, const std::string& other, int64_t r) {
+  std::istringstream a(zero), b(other);
+  std::string la, lb;
+  for (size_t i = 0;; ++i) {
+    const bool ha = static_cast<bool>(std::getline(a, la));
+    const bool hb = static_cast<bool>(std::getline(b, lb));
+    if (!ha && !hb) return "they differ";
+    if (ha && hb && la == lb) continue;
+    if (!ha) return "rank " + std::to_string(r) + " has more tensors, from " + lb;
+    if (!hb) return "rank " + std::to_string(r) + " has fewer tensors; rank 0 has " + la;
+    return lb + " on rank " + std::to_string(r) + ", but " + la + " on rank 0 (tensor " +
+           std::to_string(i) + ")";
+  }
+}
 
 // Rank 0's values of `tensors` on every rank (detached: the Reducer's hooks must not see it).
 void broadcast_from_rank0(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
@@ -200,32 +227,30 @@ DdpEngine::DdpEngine(torch::nn::Module& module, ProcessGroup group,
   for (const auto& b : module.buffers()) s.buffers.push_back(b);
 
   if (o.init_sync() && group_.size() > 1) {
-    // Buffers too: broadcast_coalesced flattens them with the parameters, so a buffer of
-    // another size would fail the broadcast after earlier pieces were written, or (sizes
-    // swapped between two buffers) fill them with the wrong values silently.
-    std::vector<at::Tensor> all = s.params;
-    all.insert(all.end(), frozen.begin(), frozen.end());
-    all.insert(all.end(), s.buffers.begin(), s.buffers.end());
-    std::string mismatch;
-    try {
-      c10d::verify_params_across_processes(s.pg, all, std::nullopt);
-    } catch (const std::exception& e) {
-      mismatch = message_of(e);
+    // Every rank's names, dtypes and shapes, compared on every rank before anything is
+    // broadcast, buffers too: a rank whose tensors differ in count, shape or dtype (another
+    // model, or another opt level's half weights) would feed the flattened broadcast below
+    // pieces of other sizes (which Gloo answers by terminating the process), or, sizes swapped
+    // between two buffers, fill them with the wrong values silently.
+    std::string mine;
+    for (const auto& np : module.named_parameters()) {
+      mine += "parameter '" + np.key() + "': " + describe(np.value()) + "\n";
     }
-    // The check compares rank 0's shapes on the other ranks: every rank (rank 0 too) learns
-    // here which one found a mismatch, rather than from a broadcast into a peer that has left.
-    at::Tensor found = at::full({1}, mismatch.empty() ? 0 : group_.rank() + 1,
-                                at::TensorOptions().dtype(at::kLong).device(group_.device()));
-    try {
-      group_.all_reduce_max_(found);
-    } catch (const std::exception& e) {
-      if (mismatch.empty()) mismatch = message_of(e);
+    for (const auto& nb : module.named_buffers()) {
+      mine += "buffer '" + nb.key() + "': " + describe(nb.value()) + "\n";
     }
-    const int64_t finder = found.item<int64_t>() - 1;
-    TORCH_CHECK(
-        mismatch.empty() && finder < 0, kWho, ": the ranks hold different models (rank ",
-        mismatch.empty() ? finder : group_.rank(),
-        "): ", mismatch.empty() ? "its parameter or buffer shapes differ from rank 0's" : mismatch);
+    std::vector<std::string> all;
+    try {
+      all = group_.all_gather_string(mine);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, kWho, ": could not compare the model across the ranks (rank ",
+                  group_.rank(), "): ", message_of(e));
+    }
+    for (size_t r = 1; r < all.size(); ++r) {
+      if (all[r] == all[0]) continue;
+      TORCH_CHECK(false, kWho, ": the ranks hold different models (rank ", r,
+                  "): ", first_difference(all[0], all[r], static_cast<int64_t>(r)));
+    }
 
     std::vector<at::Tensor> state = s.params;
     state.insert(state.end(), frozen.begin(), frozen.end());

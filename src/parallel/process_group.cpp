@@ -2,6 +2,7 @@
 #include <apex/parallel/process_group.h>
 #include <arpa/inet.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
 #include <netdb.h>
 #include <sys/socket.h>
 #include <torch/version.h>
@@ -10,11 +11,16 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <future>
 #include <limits>
 #include <mutex>
+#include <thread>
 
 #include "parallel/backends.h"
 #include "parallel/env.h"
@@ -171,6 +177,37 @@ std::vector<at::Tensor> ProcessGroup::all_gather(const at::Tensor& tensor) const
   return out[0];
 }
 
+std::vector<std::string> ProcessGroup::all_gather_string(const std::string& bytes) const {
+  const auto& s = checked(state_, "all_gather_string");
+  // CPU tensors where Gloo carries them (an NCCL group has Gloo for the CPU where it is built).
+  const c10::Device where =
+      s.backend == Backend::kGloo || detail::have_gloo() ? c10::kCPU : s.device;
+  const auto on = [&](c10::ScalarType t) { return at::TensorOptions().dtype(t).device(where); };
+  // One fixed-size exchange of the lengths, then every rank's bytes padded to the longest.
+  std::vector<std::vector<at::Tensor>> lengths(1);
+  for (int64_t r = 0; r < s.size; ++r) lengths[0].push_back(at::empty({1}, on(at::kLong)));
+  std::vector<at::Tensor> mine{at::full({1}, static_cast<int64_t>(bytes.size()), on(at::kLong))};
+  run(s, "all_gather_string (lengths)", [&] { return s.group->allgather(lengths, mine); });
+  std::vector<int64_t> n;
+  int64_t longest = 1;
+  for (const auto& l : lengths[0]) {
+    n.push_back(l.cpu().item<int64_t>());
+    longest = std::max(longest, n.back());
+  }
+  at::Tensor padded = at::zeros({longest}, at::kByte);
+  std::memcpy(padded.data_ptr(), bytes.data(), bytes.size());
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int64_t r = 0; r < s.size; ++r) out[0].push_back(at::empty({longest}, on(at::kByte)));
+  std::vector<at::Tensor> in{padded.to(where)};
+  run(s, "all_gather_string", [&] { return s.group->allgather(out, in); });
+  std::vector<std::string> result;
+  for (int64_t r = 0; r < s.size; ++r) {
+    const at::Tensor b = out[0][static_cast<size_t>(r)].cpu();
+    result.emplace_back(static_cast<const char*>(b.data_ptr()), static_cast<size_t>(n[r]));
+  }
+  return result;
+}
+
 void ProcessGroup::barrier() const {
   const auto& s = checked(state_, "barrier");
   run(s, "barrier", [&] { return s.group->barrier(); });
@@ -195,6 +232,194 @@ c10::intrusive_ptr<c10d::ProcessGroup> c10d_group(const ProcessGroup& group) {
 c10::intrusive_ptr<c10d::Store> c10d_store(const ProcessGroup& group) {
   return checked(group.state(), "c10d_store").store;
 }
+
+namespace {
+
+// A Gloo transport thread that finds a peer's data of another size than expected (ranks that
+// called different collectives) throws where nothing catches it: std::terminate, SIGABRT and a
+// core. Such an exception becomes one line naming the rank and exit status 1 instead. Every other
+// uncaught exception goes to the handler there was before.
+std::atomic<int64_t> terminate_rank{-1};
+std::atomic<int64_t> terminate_world{0};
+std::terminate_handler previous_terminate = nullptr;
+
+[[noreturn]] void on_terminate() {
+  std::string what;
+  if (const std::exception_ptr e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      what = message_of(x);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): not ours, passed on below
+    }
+  }
+  if (what.find("gloo") != std::string::npos || what.find("c10d") != std::string::npos) {
+    std::fprintf(stderr,
+                 "apex::parallel: rank %lld of %lld: a collective failed on a communication "
+                 "thread: %s\n(the ranks called different collectives: different settings, "
+                 "models or code paths, or a peer sent bad data); exiting\n",
+                 static_cast<long long>(terminate_rank.load()),
+                 static_cast<long long>(terminate_world.load()), what.c_str());
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
+  if (previous_terminate != nullptr) previous_terminate();
+  std::abort();
+}
+
+void install_terminate_handler(int64_t rank, int64_t world) {
+  terminate_rank = rank;
+  terminate_world = world;
+  static std::once_flag once;
+  std::call_once(once, [] { previous_terminate = std::set_terminate(on_terminate); });
+}
+
+// c10d logs every retry of a store connection with a C++ backtrace (~500 lines for one
+// unreachable store); the failure reaches the user as one error of ours instead. c10's logs stay
+// as they were where the user asked for them (TORCH_CPP_LOG_LEVEL).
+class QuietC10Logs {
+ public:
+  QuietC10Logs() : saved_(FLAGS_caffe2_log_level) {
+    if (!env("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = 3;  // fatal only
+  }
+  ~QuietC10Logs() { FLAGS_caffe2_log_level = saved_; }
+  QuietC10Logs(const QuietC10Logs&) = delete;
+  QuietC10Logs& operator=(const QuietC10Logs&) = delete;
+
+ private:
+  int saved_;
+};
+
+struct Rendezvous {
+  const char* who = "";
+  std::string addr;
+  int port = 0;
+  int64_t rank = 0;
+  int64_t world = 1;
+  bool agent = false;
+  Backend backend = Backend::kGloo;
+  std::chrono::milliseconds timeout{0};
+};
+
+struct Connected {
+  c10::intrusive_ptr<c10d::Store> store;  // under the default_pg prefix
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::string waited(std::chrono::steady_clock::time_point t0) {
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), "waited %.1f s", seconds_since(t0));
+  return buf;
+}
+
+// The store, then the group on it. `stage` says how far it got (0: store, 1: group).
+Connected connect(const Rendezvous& rv, int listen_fd, std::atomic<int>& stage,
+                  std::chrono::steady_clock::time_point t0) {
+  const bool server = !rv.agent && rv.rank == 0;
+  c10::intrusive_ptr<c10d::Store> base;
+  if (rv.world == 1 && !rv.agent) {
+    // A group of one needs no network at all.
+    base = c10::make_intrusive<c10d::HashStore>();
+  } else {
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<uint16_t>(rv.port);
+    so.isServer = server;
+    so.numWorkers = rv.agent ? std::nullopt : std::optional<size_t>(rv.world);
+    so.waitWorkers = !rv.agent;
+    so.timeout = rv.timeout;
+    if (listen_fd >= 0) so.masterListenFd = listen_fd;
+    try {
+      base = c10::make_intrusive<c10d::TCPStore>(rv.addr, so);
+    } catch (const std::exception& e) {
+      // (The listening socket is the store's now, whether or not it got far enough to close it.)
+      TORCH_CHECK(false, rv.who, ": rank ", rv.rank, " of ", rv.world, " could not ",
+                  server ? "gather every rank at its store on " : "reach the store at ", rv.addr,
+                  ":", rv.port, " within ", rv.timeout.count(), " ms (", waited(t0), "; ",
+                  server ? "did all WORLD_SIZE ranks start?"
+                         : "is MASTER_ADDR:MASTER_PORT right, and rank 0 up?",
+                  "): ", message_of(e));
+    }
+  }
+  stage = 1;
+  Connected c;
+  // Python's key layout (default_pg, then the group's name, then the device), so that Python and
+  // C++ workers on one store do not collide.
+  c.store = c10::make_intrusive<c10d::PrefixStore>("default_pg", base);
+  if (rv.world > 1 && !rv.agent) {
+    // Two processes given one RANK would wait for each other's peers until the timeout.
+    const int64_t joined = c.store->add("apex/rank/" + std::to_string(rv.rank), 1);
+    TORCH_CHECK(joined == 1, rv.who, ": rank ", rv.rank, " of ", rv.world,
+                " joined the group twice: two processes were given RANK=", rv.rank,
+                " (each process needs its own rank in [0, ", rv.world, "))");
+  }
+  auto group_store = c10::make_intrusive<c10d::PrefixStore>("0/", c.store);
+  try {
+    auto pg = c10::make_intrusive<c10d::ProcessGroup>(group_store, static_cast<int>(rv.rank),
+                                                      static_cast<int>(rv.world));
+    // CPU tensors go through Gloo in both cases (as Python's "cpu:gloo,cuda:nccl"), so that CPU
+    // bookkeeping (losses, flags) can be reduced in an NCCL job too. Loopback jobs keep Gloo's
+    // sockets on 127.0.0.1; others let Gloo pick this host's address.
+    if (rv.backend == Backend::kGloo || detail::have_gloo()) {
+      const std::string host = is_loopback(rv.addr) ? "127.0.0.1" : "";
+      auto gloo = detail::make_gloo_backend(
+          c10::make_intrusive<c10d::PrefixStore>("cpu/", group_store), static_cast<int>(rv.rank),
+          static_cast<int>(rv.world), rv.timeout, host);
+      pg->setBackend(c10::kCPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+    }
+    if (rv.backend == Backend::kNccl) {
+      auto nccl = detail::make_nccl_backend(
+          c10::make_intrusive<c10d::PrefixStore>("cuda/", group_store), static_cast<int>(rv.rank),
+          static_cast<int>(rv.world), rv.timeout);
+      pg->setBackend(c10::kCUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
+      pg->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+    } else {
+      pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+    }
+    pg->setGroupName("0");
+    c.group = pg;
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, rv.who, ": rank ", rv.rank, " of ", rv.world,
+                " could not connect to the other ranks within ", rv.timeout.count(), " ms (",
+                waited(t0), "): ", message_of(e));
+  }
+  return c;
+}
+
+// connect() on a thread of its own, given up at the timeout (plus a moment for c10d's own
+// timeout to speak first): LibTorch's store client retries a failed connect once more after its
+// timeout, and waits without end on a listener that accepts and never answers. A thread given up
+// on is left to end by itself; it holds only what it was given.
+Connected connect_within_deadline(const Rendezvous& rv) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const bool server = !rv.agent && rv.rank == 0;
+  const int listen_fd = rv.world > 1 && server ? listen_on(rv.addr, rv.port) : -1;
+  const QuietC10Logs quiet;
+  auto stage = std::make_shared<std::atomic<int>>(0);
+  auto task = std::make_shared<std::packaged_task<Connected()>>(
+      [rv, listen_fd, stage, t0] { return connect(rv, listen_fd, *stage, t0); });
+  std::future<Connected> done = task->get_future();
+  std::thread([task] { (*task)(); }).detach();
+  const auto grace = std::chrono::milliseconds(1500);
+  if (done.wait_for(rv.timeout + grace) == std::future_status::ready) return done.get();
+  if (*stage == 0) {
+    TORCH_CHECK(false, rv.who, ": rank ", rv.rank, " of ", rv.world, " could not ",
+                server ? "gather every rank at its store on " : "reach the store at ", rv.addr, ":",
+                rv.port, " within ", rv.timeout.count(), " ms (", waited(t0), "; ",
+                server ? "did all WORLD_SIZE ranks start?"
+                       : "is MASTER_ADDR:MASTER_PORT right and rank 0 up? something answered "
+                         "the connection but not as a c10d store does",
+                ")");
+  }
+  TORCH_CHECK(false, rv.who, ": rank ", rv.rank, " of ", rv.world,
+              " could not connect to the other ranks within ", rv.timeout.count(), " ms (",
+              waited(t0), "; did every rank start, each with its own RANK?)");
+}
+
+}  // namespace
 
 ProcessGroup init_process_group(const ProcessGroupOptions& o) {
   const char* who = "apex::parallel::init_process_group";
@@ -249,63 +474,19 @@ ProcessGroup init_process_group(const ProcessGroupOptions& o) {
   state->backend = backend;
   state->device = o.device();
   state->timeout = o.timeout();
-  c10::intrusive_ptr<c10d::Store> base;
-  if (world == 1 && !agent) {
-    // A group of one needs no network at all.
-    base = c10::make_intrusive<c10d::HashStore>();
-  } else {
-    c10d::TCPStoreOptions so;
-    so.port = static_cast<uint16_t>(port);
-    so.isServer = !agent && rank == 0;
-    so.numWorkers = agent ? std::nullopt : std::optional<size_t>(world);
-    so.waitWorkers = !agent;
-    so.timeout = o.timeout();
-    if (so.isServer) so.masterListenFd = listen_on(addr, static_cast<int>(port));
-    try {
-      base = c10::make_intrusive<c10d::TCPStore>(addr, so);
-    } catch (const std::exception& e) {
-      // (The listening socket is the store's now, whether or not it got far enough to close it.)
-      TORCH_CHECK(false, who, ": rank ", rank, " of ", world, " could not ",
-                  so.isServer ? "gather every rank at its store on " : "reach the store at ", addr,
-                  ":", port, " within ", o.timeout().count(), " ms (",
-                  so.isServer ? "did all WORLD_SIZE ranks start?"
-                              : "is MASTER_ADDR:MASTER_PORT "
-                                "right, and rank 0 up?",
-                  "): ", message_of(e));
-    }
-  }
-  // Python's key layout (default_pg, then the group's name, then the device), so that Python and
-  // C++ workers on one store do not collide.
-  state->store = c10::make_intrusive<c10d::PrefixStore>("default_pg", base);
-  auto group_store = c10::make_intrusive<c10d::PrefixStore>("0/", state->store);
-  try {
-    auto pg = c10::make_intrusive<c10d::ProcessGroup>(group_store, static_cast<int>(rank),
-                                                      static_cast<int>(world));
-    // CPU tensors go through Gloo in both cases (as Python's "cpu:gloo,cuda:nccl"), so that CPU
-    // bookkeeping (losses, flags) can be reduced in an NCCL job too. Loopback jobs keep Gloo's
-    // sockets on 127.0.0.1; others let Gloo pick this host's address.
-    if (backend == Backend::kGloo || detail::have_gloo()) {
-      const std::string host = is_loopback(addr) ? "127.0.0.1" : "";
-      auto gloo = detail::make_gloo_backend(
-          c10::make_intrusive<c10d::PrefixStore>("cpu/", group_store), static_cast<int>(rank),
-          static_cast<int>(world), o.timeout(), host);
-      pg->setBackend(c10::kCPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
-    }
-    if (backend == Backend::kNccl) {
-      auto nccl =
-          detail::make_nccl_backend(c10::make_intrusive<c10d::PrefixStore>("cuda/", group_store),
-                                    static_cast<int>(rank), static_cast<int>(world), o.timeout());
-      pg->setBackend(c10::kCUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
-      pg->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
-    } else {
-      pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
-    }
-    pg->setGroupName("0");
-    state->group = pg;
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, who, ": rank ", rank, " of ", world, " could not connect to the other ranks",
-                " within ", o.timeout().count(), " ms: ", message_of(e));
-  }
+  Rendezvous rv;
+  rv.who = who;
+  rv.addr = addr;
+  rv.port = static_cast<int>(port);
+  rv.rank = rank;
+  rv.world = world;
+  rv.agent = agent;
+  rv.backend = backend;
+  rv.timeout = o.timeout();
+  if (world > 1) install_terminate_handler(rank, world);
+  const Connected c = connect_within_deadline(rv);
+  state->store = c.store;
+  state->group = c.group;
   ProcessGroup group(state);
   const std::lock_guard<std::mutex> lock(default_mutex);
   default_group = group;

@@ -82,6 +82,10 @@ class ProcessGroup {
   void broadcast_(at::Tensor& tensor, int64_t root = 0) const;
   /// Every rank's `tensor` (same shape and dtype on every rank), in rank order.
   std::vector<at::Tensor> all_gather(const at::Tensor& tensor) const;
+  /// Every rank's `bytes` (of any length, different per rank), in rank order. Lengths travel
+  /// first, so ranks that disagree cannot feed a collective of mismatched sizes: compare
+  /// settings or layouts with it before collectives whose sizes depend on them.
+  std::vector<std::string> all_gather_string(const std::string& bytes) const;
   /// Returns once every rank has called it.
   void barrier() const;
 
