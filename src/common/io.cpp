@@ -190,6 +190,14 @@ void check_writable(const std::string& path, const std::string& who) {
   TORCH_CHECK(S_ISDIR(st.st_mode), who, " '", path, "': '", folder, "' is not a folder");
   TORCH_CHECK(::access(folder.c_str(), W_OK | X_OK) == 0, who, " '", path, "': cannot write in '",
               folder, "' (", errno_text(errno), ")");
+  // access() answers yes to root for folders no file can be created in (/proc, /sys): create
+  // the temporary write_file_atomic will need, and remove it.
+  const std::string probe = target + ".probe." + std::to_string(::getpid());
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  TORCH_CHECK(fd >= 0, who, " '", path, "': cannot create a file in '", folder, "' (",
+              errno_text(errno), ")");
+  ::close(fd);
+  ::unlink(probe.c_str());
 }
 
 void sync_path(const std::string& path) {

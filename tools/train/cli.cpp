@@ -185,6 +185,8 @@ distributed (Gloo over TCP; docs/distributed.md)
   --bucket-cap-mb X     DDP's gradient bucket size in MiB, the first bucket's too, as Python
                         DDP's bucket_cap_mb (default 25, first bucket 1): small buckets let a
                         small model's all-reduce start while backward still runs
+  --timeout S           seconds a rank waits for the others: to join the group (a missing or
+                        unreachable rank) and in any one collective (a dead one) (300)
   --help
 )";
 }
@@ -196,6 +198,7 @@ Cli parse_cli(const std::vector<std::string>& args) {
   bool level_set = false;
   bool half_set = false;
   bool bucket_set = false;
+  bool timeout_set = false;
   static const std::set<std::string> kPerLevel = {"--compare", "--opt-level",  "--plot",
                                                   "--metrics", "--checkpoint", "--summary-out",
                                                   "--rounds"};
@@ -327,6 +330,9 @@ Cli parse_cli(const std::vector<std::string>& args) {
       bucket_set = true;
     } else if (flag == "--nproc") {
       cli.nproc = to_int(flag, v, 1, 64);
+    } else if (flag == "--timeout") {
+      o.timeout_s = to_double(flag, v, 0.1, 86400.0 * 7);
+      timeout_set = true;
     } else if (flag == "--rounds") {
       cli.rounds = to_int(flag, v, 1, 100);
     } else {
@@ -370,6 +376,8 @@ Cli parse_cli(const std::vector<std::string>& args) {
   TORCH_CHECK(o.batch_size * o.accumulate <= kMaxBatch, "apex-train: --batch-size ", o.batch_size,
               " x --accumulate ", o.accumulate, " = ", o.batch_size * o.accumulate,
               " samples per step, more than ", kMaxBatch, " (lower one of them)");
+  TORCH_CHECK(!timeout_set || o.ddp || cli.nproc > 0,
+              "apex-train: --timeout needs --ddp (under torchrun) or --nproc N");
   TORCH_CHECK(!bucket_set || o.ddp || cli.nproc > 0,
               "apex-train: --bucket-cap-mb needs --ddp (under torchrun) or --nproc N");
   TORCH_CHECK(!o.sync_bn || o.ddp || cli.nproc > 0,

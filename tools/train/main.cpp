@@ -4,6 +4,7 @@
 #include <apex/io.h>
 #include <c10/util/Exception.h>
 #include <fcntl.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -24,12 +25,24 @@
 #include "train/json.h"
 #include "train/net.h"
 #include "train/report.h"
+#include "train/trainer.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using apex::train::Cli;
 using apex::train::Summary;
+
+// In a child between fork and exec: dies with its parent (PR_SET_PDEATHSIG survives exec), so a
+// launcher killed even by SIGKILL leaves no rank training and writing on its own.
+void die_with_parent(pid_t parent) {
+  ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (::getppid() != parent) _exit(1);  // the parent died before the line above
+}
+
+// The signal the launcher got (0: none), forwarded to its ranks as torchrun does.
+volatile std::sig_atomic_t stop_signal = 0;
+extern "C" void on_stop_signal(int sig) { stop_signal = sig; }
 
 // Runs one level of a comparison in a child process (so each level's peak memory is its own) and
 // returns its summary; the child prints its own progress and errors.
@@ -59,9 +72,11 @@ Summary run_child(const Cli& cli, const std::string& level, const fs::path& work
   argv.push_back(nullptr);
   std::fflush(stdout);
   std::fflush(stderr);
+  const pid_t parent = getpid();
   const pid_t pid = fork();
   TORCH_CHECK(pid >= 0, "apex-train: fork failed");
   if (pid == 0) {
+    die_with_parent(parent);
     execv(argv[0], argv.data());
     std::perror("apex-train: exec");
     _exit(127);
@@ -108,6 +123,12 @@ int run_ranks(const Cli& cli) {
   std::fflush(stdout);
   std::fflush(stderr);
   std::vector<pid_t> pids;
+  // SIGTERM, SIGINT or SIGHUP to the launcher reaches every rank; it then waits for them.
+  struct sigaction forward {};
+  forward.sa_handler = on_stop_signal;
+  sigemptyset(&forward.sa_mask);
+  for (const int sig : {SIGTERM, SIGINT, SIGHUP}) sigaction(sig, &forward, nullptr);
+  const pid_t parent = getpid();
   for (int64_t r = 0; r < cli.nproc; ++r) {
     std::vector<std::string> env = {"RANK=" + std::to_string(r),
                                     "LOCAL_RANK=" + std::to_string(r),
@@ -124,6 +145,8 @@ int run_ranks(const Cli& cli) {
     const pid_t pid = fork();
     TORCH_CHECK(pid >= 0, "apex-train: fork failed");
     if (pid == 0) {
+      die_with_parent(parent);
+      for (const int sig : {SIGTERM, SIGINT, SIGHUP}) std::signal(sig, SIG_DFL);
       for (auto& e : env) putenv(e.data());
       unsetenv("TORCHELASTIC_USE_AGENT_STORE");
       if (r > 0) {  // only rank 0 talks to the terminal, as torchrun's --tee would not
@@ -140,7 +163,16 @@ int run_ranks(const Cli& cli) {
   size_t left = pids.size();
   std::vector<bool> done(pids.size(), false);
   auto deadline = std::chrono::steady_clock::time_point::max();
+  int forwarded = 0;
   while (left > 0) {
+    if (stop_signal != 0 && forwarded == 0) {
+      forwarded = stop_signal;
+      for (size_t r = 0; r < pids.size(); ++r) {
+        if (!done[r]) kill(pids[r], forwarded);
+      }
+      // Ranks that ignore it are stopped for good a little later.
+      deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    }
     int status = 0;
     const pid_t pid = waitpid(-1, &status, WNOHANG);
     if (pid > 0) {
@@ -160,12 +192,20 @@ int run_ranks(const Cli& cli) {
       continue;
     }
     if (std::chrono::steady_clock::now() > deadline) {
+      // After a rank failed: SIGTERM to the others; after a forwarded signal: SIGKILL.
       for (size_t r = 0; r < pids.size(); ++r) {
-        if (!done[r]) kill(pids[r], SIGTERM);
+        if (!done[r]) kill(pids[r], forwarded != 0 ? SIGKILL : SIGTERM);
       }
       deadline = std::chrono::steady_clock::time_point::max();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (forwarded != 0) {
+    std::fprintf(stderr,
+                 "apex-train: --nproc %lld: stopped by signal %d (%s); its ranks were "
+                 "stopped too\n",
+                 static_cast<long long>(cli.nproc), forwarded, strsignal(forwarded));
+    return 128 + forwarded;
   }
   TORCH_CHECK(failed_rank < 0, "apex-train: --nproc ", cli.nproc, ": rank ", failed_rank,
               WIFSIGNALED(failed_status) ? " was killed by signal " : " failed with exit code ",
@@ -214,6 +254,13 @@ int run(const Cli& cli) {
   if (!cli.plot.empty()) apex::check_writable(cli.plot, "apex-train: --plot");
   if (!cli.summary_out.empty()) apex::check_writable(cli.summary_out, "apex-train: --summary-out");
   apex::train::check_outputs(cli.train);
+  // A second live writer on the folder is refused before anything starts: a --compare parent
+  // holds it (its levels write into subfolders, each locked by its child); a --nproc launcher
+  // only checks (its rank 0 writes, and locks).
+  apex::train::CheckpointLock lock;
+  if (!cli.train.checkpoint.empty() && (cli.nproc > 0 || !cli.compare.empty())) {
+    lock = apex::train::CheckpointLock(cli.train.checkpoint, /*probe=*/cli.compare.empty());
+  }
   if (cli.compare.empty() && cli.nproc > 0) return run_ranks(cli);
   if (cli.compare.empty()) {
     const auto data = apex::train::load_data(cli.train);
@@ -287,7 +334,9 @@ int main(int argc, char** argv) {
     if (!cli.note.empty()) std::printf("%s\n\n", cli.note.c_str());
     return run(cli);
   } catch (const c10::Error& e) {
-    std::fprintf(stderr, "%s\n", e.what_without_backtrace());
+    // Every line says whose it is, also the library's and the file helpers' messages.
+    const std::string m = e.what_without_backtrace();
+    std::fprintf(stderr, "%s%s\n", m.rfind("apex-train", 0) == 0 ? "" : "apex-train: ", m.c_str());
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "apex-train: %s\n", e.what());

@@ -33,6 +33,9 @@
 #include <utility>
 #include <vector>
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "train/data.h"
@@ -142,6 +145,69 @@ std::vector<std::pair<std::string, std::string>> run_settings(const TrainOptions
 std::vector<std::pair<std::string, std::string>> execution_settings(const TrainOptions& o) {
   return {{"device", json::quote(c10::DeviceTypeName(o.device.type(), /*lower_case=*/true))},
           {"threads", std::to_string(at::get_num_threads())}};
+}
+
+// Ranks started by hand (or by a script) with different flags would train different runs, or
+// call collectives of different sizes (which Gloo answers by terminating the process): every
+// rank's settings are compared right after the group forms, and any difference is one error on
+// every rank naming the flags and the ranks' values.
+void check_same_settings(const TrainOptions& o, const apex::parallel::ProcessGroup& pg) {
+  const ModelConfig c = resolved(o.model);
+  std::vector<std::pair<std::string, std::string>> flags = {
+      {"--model", c.family},
+      {"--width", std::to_string(c.width)},
+      {"--depth", std::to_string(c.depth)},
+      {"--heads", std::to_string(c.heads)},
+      {"--opt-level", o.opt_level},
+      {"--half-dtype", o.half_dtype == c10::kBFloat16 ? "bf16" : "fp16"},
+      {"--loss-scale", o.loss_scale.empty() ? "(default)" : o.loss_scale},
+      {"--optimizer", o.optimizer},
+      {"--device", c10::DeviceTypeName(o.device.type(), /*lower_case=*/true)},
+      {"--log-every", std::to_string(o.log_every)},
+      {"--checkpoint", o.checkpoint.empty() ? "(none)" : "(given)"},
+      {"--checkpoint-every", std::to_string(o.checkpoint_every)},
+      {"--resume", o.resume ? "yes" : "no"},
+      {"--resume-from", o.resume_from.empty() ? "(latest)" : o.resume_from},
+      {"--resume-with-changes", o.resume_with_changes ? "yes" : "no"},
+      {"--stop-after", std::to_string(o.stop_after)},
+      {"--bucket-cap-mb", json::num_exact(o.bucket_cap_mb)},
+      {"--timeout", json::num_exact(o.timeout_s)}};
+  for (const auto& [key, value] : run_settings(o, pg.size())) {
+    if (key == "world_size") continue;  // one group: the same everywhere
+    std::string flag = "--" + key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    flags.emplace_back(flag, value);
+  }
+  std::string mine;
+  for (const auto& [flag, value] : flags) mine += flag + "\t" + value + "\n";
+  const std::vector<std::string> all = pg.all_gather_string(mine);
+  const auto parse = [](const std::string& text) {
+    std::vector<std::pair<std::string, std::string>> out;
+    std::istringstream in(text);
+    for (std::string line; std::getline(in, line);) {
+      const size_t tab = line.find('\t');
+      out.emplace_back(line.substr(0, tab), tab == std::string::npos ? "" : line.substr(tab + 1));
+    }
+    return out;
+  };
+  const auto zero = parse(all[0]);
+  std::string differences;
+  for (size_t r = 1; r < all.size(); ++r) {
+    if (all[r] == all[0]) continue;
+    const auto theirs = parse(all[r]);
+    if (theirs.size() != zero.size()) {
+      differences += "; rank " + std::to_string(r) + " runs another version of apex-train";
+      continue;
+    }
+    for (size_t i = 0; i < zero.size(); ++i) {
+      if (theirs[i] == zero[i]) continue;
+      differences += "; " + zero[i].first + " is " + zero[i].second + " on rank 0 but " +
+                     theirs[i].second + " on rank " + std::to_string(r);
+    }
+  }
+  TORCH_CHECK(differences.empty(), "apex-train: rank ", pg.rank(), " of ", pg.size(),
+              ": the ranks were started with different settings (", differences.substr(2),
+              "); give every rank the same flags");
 }
 
 constexpr int64_t kCheckpointFormat = 2;
@@ -586,6 +652,68 @@ void check_outputs(const TrainOptions& o) {
   }
 }
 
+CheckpointLock::CheckpointLock(const std::string& dir, bool probe) {
+  const std::string path = (fs::path(dir) / ".lock").string();
+  for (int attempt = 0;; ++attempt) {
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    TORCH_CHECK(fd >= 0, "apex-train: --checkpoint ", dir, ": cannot create its lock file ", path,
+                ": ", std::strerror(errno));
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      char buf[32] = {};
+      const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+      ::close(fd);
+      const std::string holder = n > 0 ? std::string(buf, static_cast<size_t>(n)) : "?";
+      TORCH_CHECK(err != EWOULDBLOCK, "apex-train: --checkpoint ", dir,
+                  " is in use by another live run (pid ", holder.substr(0, holder.find('\n')),
+                  "): two writers would overwrite each other's checkpoints; wait for it to end "
+                  "or stop it, or give another folder");
+      TORCH_CHECK(false, "apex-train: --checkpoint ", dir, ": cannot lock ", path, ": ",
+                  std::strerror(err));
+    }
+    // A holder that was ending may have unlinked the file between our open and our lock: then
+    // the lock is on a file nobody else will see; take the one at the path instead.
+    struct stat held {};
+    struct stat named {};
+    if (::fstat(fd, &held) == 0 && ::stat(path.c_str(), &named) == 0 &&
+        held.st_ino == named.st_ino && held.st_dev == named.st_dev) {
+      if (probe) {
+        ::close(fd);
+        return;
+      }
+      const std::string pid = std::to_string(::getpid()) + "\n";
+      if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) < 0) {
+        // The pid is only for the message a second writer gets; the lock holds regardless.
+      }
+      fd_ = fd;
+      path_ = path;
+      return;
+    }
+    ::close(fd);
+    TORCH_CHECK(attempt < 100, "apex-train: --checkpoint ", dir, ": cannot lock ", path,
+                " (it keeps being replaced)");
+  }
+}
+
+CheckpointLock::~CheckpointLock() {
+  if (fd_ < 0) return;
+  // Unlinked while still held: a process that opened it before sees another inode and retries.
+  ::unlink(path_.c_str());
+  ::close(fd_);
+}
+
+CheckpointLock::CheckpointLock(CheckpointLock&& other) noexcept
+    : fd_(std::exchange(other.fd_, -1)), path_(std::move(other.path_)) {}
+
+CheckpointLock& CheckpointLock::operator=(CheckpointLock&& other) noexcept {
+  if (this != &other) {
+    this->~CheckpointLock();
+    fd_ = std::exchange(other.fd_, -1);
+    path_ = std::move(other.path_);
+  }
+  return *this;
+}
+
 // glibc serves the activation-sized tensors of every step with mmap and unmaps them on free, so
 // each step page-faults its outputs in again: 12 % of a transformer step here (kernel page-fault
 // and unmap time in perf), against 3 % in the same model under Python, where glibc's adaptive
@@ -628,8 +756,27 @@ Summary train(const TrainOptions& o, const Split& data) {
     c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(o.device);
   }
   if (o.ddp) {
+    const auto ms = std::chrono::milliseconds(static_cast<int64_t>(std::ceil(o.timeout_s * 1000)));
     pg = apex::parallel::init_process_group(
-        apex::parallel::ProcessGroupOptions().device(o.device).timeout(std::chrono::minutes(5)));
+        apex::parallel::ProcessGroupOptions().device(o.device).timeout(ms));
+    check_same_settings(o, *pg);
+  }
+  // One live writer per checkpoint folder (rank 0 writes; every rank learns whether it may).
+  CheckpointLock lock;
+  if (!o.checkpoint.empty()) {
+    std::string refused;
+    if (!pg || pg->rank() == 0) {
+      try {
+        lock = CheckpointLock(o.checkpoint);
+      } catch (const c10::Error& e) {
+        if (!pg) throw;
+        refused = e.what_without_backtrace();
+      }
+    }
+    if (pg) {
+      const std::vector<std::string> all = pg->all_gather_string(refused);
+      TORCH_CHECK(all[0].empty(), all[0]);
+    }
   }
   const int64_t rank = pg ? pg->rank() : 0;
   const int64_t world = pg ? pg->size() : 1;

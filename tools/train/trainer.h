@@ -62,6 +62,8 @@ struct TrainOptions {
   /// DDP's bucket size in MiB, the first bucket's too, as Python DDP's bucket_cap_mb (0: the
   /// defaults, 25 MiB and a first bucket of 1 MiB).
   double bucket_cap_mb = 0;
+  /// Seconds a rank waits to join the group and in any one collective before it fails.
+  double timeout_s = 300;
 };
 
 /// One logged step.
@@ -132,6 +134,26 @@ Split load_data(const TrainOptions& options);
 /// Checks, before any training, that every output of `o` (--metrics, --checkpoint) can be
 /// written: a bad path fails now, not after the training.
 void check_outputs(const TrainOptions& o);
+/// The one live writer of a checkpoint folder: an exclusive lock on DIR/.lock (flock: the kernel
+/// drops it when the holder dies, even by SIGKILL, so a dead writer leaves nothing behind that
+/// blocks a resume). Construction fails with a c10::Error naming the folder and the holder's pid
+/// when another live process holds it. `probe`: take and release at once (a launcher that only
+/// checks before starting the process that writes).
+class CheckpointLock {
+ public:
+  CheckpointLock() = default;
+  explicit CheckpointLock(const std::string& dir, bool probe = false);
+  ~CheckpointLock();
+  CheckpointLock(CheckpointLock&& other) noexcept;
+  CheckpointLock& operator=(CheckpointLock&& other) noexcept;
+  CheckpointLock(const CheckpointLock&) = delete;
+  CheckpointLock& operator=(const CheckpointLock&) = delete;
+
+ private:
+  int fd_ = -1;
+  std::string path_;
+};
+
 /// Refuses sizes whose parameters (with gradients and optimizer state) cannot fit in this
 /// machine's memory, before anything is allocated.
 void check_fits(const TrainOptions& o);
