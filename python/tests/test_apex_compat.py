@@ -466,6 +466,12 @@ def test_load_state_dict_checks_before_replacing_and_reads_torch_adamw():
     # nothing replaced.
     wrong = copy.deepcopy(good)
     wrong["state"][0]["exp_avg"] = torch.zeros(3)
+    # state_dict's checksum refuses an edited tensor first; without it (apex's own files, or a
+    # deliberate edit) the shape check does.
+    with pytest.raises(ValueError, match="does not match its checksum"):
+        opt.load_state_dict(wrong)
+    assert _same(_snapshot(opt), before)
+    del wrong["apex_crc32"]
     sgd = FusedSGD(small_model(15).parameters(), lr=0.1, momentum=0.9)
     F.cross_entropy(small_model(15)(x), y)
     for p in sgd.param_groups[0]["params"]:

@@ -2,11 +2,43 @@
 protocol (``grad_scale`` / ``found_inf`` set on the optimizer before ``step``, so gradients are
 unscaled inside the kernel and an overflow skips the step without unscaling anything)."""
 from collections import defaultdict
+import ctypes
+import math
+import zlib
 from itertools import chain
 
 import torch
 
 from apex._ops import ops
+
+
+_CRC_KEY = "apex_crc32"
+
+
+def _state_crc32(sd):
+    """CRC-32 of an optimizer state dict's structure and state: each group's parameter ids,
+    step and switches (bias_correction, nesterov, ...), then each state entry's key, and each
+    value's dtype, shape and bytes. The numeric hyperparameters stay out: setting a new lr in a
+    saved state before loading it is common (load_state_dict checks their range instead)."""
+    structure = [[(k, v) for k, v in g.items() if k in ("params", "step") or isinstance(v, bool)
+                  or not isinstance(v, (int, float, tuple, list, torch.Tensor))]
+                 for g in sd["param_groups"]]
+    crc = zlib.crc32(repr(structure).encode())
+    for pid in sorted(sd["state"], key=repr):
+        entry = sd["state"][pid]
+        crc = zlib.crc32(repr(pid).encode(), crc)
+        for key in sorted(entry, key=repr):
+            value = entry[key]
+            if torch.is_tensor(value):
+                t = value.detach().cpu().contiguous()
+                crc = zlib.crc32(f"{key!r}:{t.dtype}:{tuple(t.shape)}".encode(), crc)
+                if t.numel() > 0:
+                    raw = (ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(
+                        t.data_ptr())
+                    crc = zlib.crc32(raw, crc)
+            else:
+                crc = zlib.crc32(f"{key!r}={value!r}".encode(), crc)
+    return crc
 
 
 class _FusedOptimizer(torch.optim.Optimizer):
@@ -115,6 +147,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{name}.load_state_dict: the state has "
                              f"{[len(g.get('params', ())) for g in groups]} parameters per group, "
                              f"this optimizer {[len(g['params']) for g in self.param_groups]}")
+        for gi, g in enumerate(groups):
+            self._check_hyperparameters(name, gi, g)
+        # torch's loader keeps a state entry whose key no group names under that raw key, and
+        # the parameter it belonged to starts over: every key must be a parameter's, once.
+        named = [i for g in groups for i in g["params"]]
+        if len(set(named)) != len(named):
+            raise ValueError(f"{name}.load_state_dict: param_groups name a parameter twice "
+                             f"({named})")
+        stray = [k for k in state_dict["state"] if k not in set(named)]
+        if stray:
+            raise ValueError(f"{name}.load_state_dict: the state holds entries {stray} that no "
+                             f"parameter group names (the groups name {named})")
         allowed = set(self._elementwise_state) | set(self._other_state)
         ids = chain.from_iterable(g["params"] for g in groups)
         for index, (pid, p) in enumerate(zip(ids, chain.from_iterable(
@@ -130,6 +174,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"{name}.load_state_dict: the state of parameter {index} "
                                      f"holds {key!r}, which {name} does not keep (expected "
                                      f"{sorted(allowed)}): another optimizer's state?")
+                if key == "step":
+                    v = value.item() if torch.is_tensor(value) and value.numel() == 1 else value
+                    if not isinstance(v, (int, float)) or isinstance(v, bool) or \
+                            not (math.isfinite(v) and v >= 0):
+                        raise ValueError(f"{name}.load_state_dict: 'step' of parameter {index} "
+                                         f"must be a finite number >= 0, got {value!r}")
                 if key in self._elementwise_state:
                     if not torch.is_tensor(value) or not value.is_floating_point() or \
                             value.shape != p.shape:
@@ -138,12 +188,68 @@ class _FusedOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"{name}.load_state_dict: {key!r} of parameter {index} "
                                          f"is {got}, expected a floating tensor of shape "
                                          f"{tuple(p.shape)}")
+        for gi, (g, own) in enumerate(zip(groups, self.param_groups)):
+            # torch's loader takes the saved group whole: a key of another optimizer would ride
+            # along, a missing one fail in a later step. (`step` comes with the first step.)
+            loose = {"params", "param_names", "step"}
+            extra = sorted(set(g) - set(own) - loose)
+            missing = sorted(set(own) - set(g) - loose)
+            if extra or missing:
+                raise ValueError(f"{name}.load_state_dict: group {gi} holds "
+                                 f"{sorted(set(g) - loose)}, {name} keeps "
+                                 f"{sorted(set(own) - loose)}: another optimizer's state?")
+
+    @staticmethod
+    def _check_hyperparameters(name, gi, group):
+        """A loaded group's hyperparameters, as the constructor checks its arguments: every
+        number finite and >= 0 (lr, eps, weight_decay, momentum, ...), betas in [0, 1). A damaged
+        or hand-edited state would otherwise step with lr=nan or a negative decay."""
+        for key, value in group.items():
+            if key == "params" or isinstance(value, bool):
+                continue
+            if key == "betas":
+                ok = isinstance(value, (tuple, list)) and all(
+                    isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0
+                    for b in value)
+                if not ok:
+                    raise ValueError(f"{name}.load_state_dict: betas of group {gi} must be "
+                                     f"numbers in [0, 1), got {value!r}")
+            elif isinstance(value, (int, float)) and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}.load_state_dict: {key} of group {gi} must be a finite "
+                                 f"number >= 0, got {value!r}")
+            elif torch.is_tensor(value) and value.numel() == 1 and value.is_floating_point() and \
+                    not (math.isfinite(value.item()) and value.item() >= 0):
+                raise ValueError(f"{name}.load_state_dict: {key} of group {gi} must be a finite "
+                                 f"number >= 0, got {value.item()!r}")
+
+    def state_dict(self):
+        """torch's state dict plus ``apex_crc32``: a CRC-32 of the state's keys and tensors'
+        bytes (and the groups' parameter ids and step), which load_state_dict checks: torch's
+        file format checks no tensor payload, so a damaged file would load as other numbers.
+        torch's optimizers ignore the extra key; drop it to load a state edited on purpose."""
+        sd = super().state_dict()
+        sd[_CRC_KEY] = _state_crc32(sd)
+        return sd
 
     def load_state_dict(self, state_dict):
         """torch's loader casts every floating state tensor to its parameter's dtype, but the
         kernels keep optimizer state and masters in fp32 (a bf16 moment would be written as fp32
         past its end): state saved for half parameters is put back in fp32. Everything is checked
-        before anything changes."""
+        before anything changes: the checksum state_dict wrote (when there is one), the kind,
+        keys, shapes, dtypes and hyperparameters."""
+        name = type(self).__name__
+        if isinstance(state_dict, dict) and _CRC_KEY in state_dict:
+            stored = state_dict[_CRC_KEY]
+            state_dict = {k: v for k, v in state_dict.items() if k != _CRC_KEY}
+            try:
+                actual = _state_crc32(state_dict)
+            except Exception as e:  # a damaged layout the checksum cannot even walk
+                raise ValueError(f"{name}.load_state_dict: the state is damaged ({e})") from None
+            if stored != actual:
+                raise ValueError(f"{name}.load_state_dict: the state does not match its checksum "
+                                 f"({_CRC_KEY} {stored!r}, its contents {actual:#010x}): the file "
+                                 "is damaged, or its tensors were edited after state_dict() (to "
+                                 f"load an edited state deliberately, remove {_CRC_KEY!r})")
         state_dict = self._convert_state_dict(state_dict)
         self._check_state_dict(state_dict)
         saved = state_dict["state"]

@@ -32,10 +32,15 @@ class FusedAdam(_FusedOptimizer):
         if any(isinstance(v, dict) and "max_exp_avg_sq" in v for v in states.values()):
             raise ValueError("FusedAdam.load_state_dict: the state is torch's Adam with amsgrad, "
                              "which FusedAdam does not support")
+        if any(isinstance(g, dict) and g.get("maximize") for g in state_dict["param_groups"]):
+            raise ValueError("FusedAdam.load_state_dict: the state is torch's Adam with "
+                             "maximize=True, which FusedAdam does not support")
         state_dict = copy.copy(state_dict)
         # torch's groups lack FusedAdam's own options (bias_correction, ...): this optimizer's
-        # current values fill them, torch's hyperparameters (lr, betas, eps, ...) win.
-        groups = [dict({k: v for k, v in own.items() if k != "params"}, **g)
+        # current values fill them, torch's hyperparameters (lr, betas, eps, ...) win, and
+        # torch's switches FusedAdam has no use for (foreach, fused, capturable, ...) go.
+        groups = [dict({k: v for k, v in own.items() if k != "params"},
+                       **{k: v for k, v in g.items() if k in own or k == "params"})
                   for own, g in zip(self.param_groups, state_dict["param_groups"])]
         new_states = {}
         for g in groups:
