@@ -580,7 +580,9 @@ thread_local std::vector<std::unique_ptr<apex::amp::CpuHalfFallbackGuard>> half_
 
 // Starts a scope; false (and nothing held) where the fallback is not available.
 bool cpu_half_fallback_enter() {
-  if (!apex::amp::cpu_half_fallback_available()) return false;
+  // The guard's own question (the route, or attention's own kernels where LibTorch's half
+  // matmuls are fast), so that Python's scope serves what C++'s does.
+  if (!apex::amp::cpu_half_scope_available()) return false;
   half_scopes.push_back(std::make_unique<apex::amp::CpuHalfFallbackGuard>(true));
   return true;
 }
@@ -598,10 +600,15 @@ bool cpu_half_fallback_available(std::optional<c10::ScalarType> dtype) {
                : apex::amp::cpu_half_fallback_available();
 }
 
-// Tests: -1 decides from the CPU and the environment again, 0/1 forces.
+// Tests: -1 decides from the CPU and the environment again, 0/1 force nothing/everything,
+// 2: as a CPU whose half matmuls are fast (attention's own kernels only).
 void cpu_half_fallback_force(int64_t forced) {
-  TORCH_CHECK(forced >= -1 && forced <= 1,
-              "apex_cpp::_cpu_half_fallback_force: expected -1, 0 or 1, got ", forced);
+  TORCH_CHECK(forced >= -1 && forced <= 2,
+              "apex_cpp::_cpu_half_fallback_force: expected -1, 0, 1 or 2, got ", forced);
+  if (forced == 2) {
+    apex::amp::detail::force_cpu_half_attention_only();
+    return;
+  }
   apex::amp::detail::force_cpu_half_fallback_available(
       forced < 0 ? std::nullopt : std::optional<bool>(forced == 1));
 }

@@ -264,7 +264,7 @@ def test_cpu_half_fallback_scope(forced_fallback):
     assert not amp.cpu_half_fallback_active()
     with amp.cpu_half_fallback(enabled=False):
         assert not amp.cpu_half_fallback_active()
-    torch.ops.apex_cpp._cpu_half_fallback_force(0)  # a CPU with fast half matmuls: a no-op
+    torch.ops.apex_cpp._cpu_half_fallback_force(0)  # APEX_CPU_HALF_FALLBACK=0: a no-op
     with amp.cpu_half_fallback():
         assert not amp.cpu_half_fallback_active()
     with pytest.raises(RuntimeError, match="no scope of this thread is open"):
@@ -726,3 +726,28 @@ def test_o2_param_group_added_after_initialize():
     assert torch.equal(master.grad, c)  # unscaled
     opt.step()
     assert torch.equal(extra.float(), torch.tensor([0.5, 2.25]))
+
+
+@pytest.mark.regular_ops
+def test_cpu_half_scope_serves_attention_where_half_matmuls_are_fast():
+    """On a CPU whose half matmuls LibTorch runs fast (AVX512-BF16 and AVX512-FP16, AMX: forced
+    here), the route is off but attention's own kernels serve the scope, as in C++: Python's
+    scope used to open only for the route, so amp on such CPUs never got them."""
+    ops = torch.ops.apex_cpp
+    calls = ops._cpu_half_route_calls
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 64, 32, generator=g).bfloat16() for _ in range(3))
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    ops._cpu_half_fallback_force(2)
+    try:
+        with amp.cpu_half_fallback():
+            assert amp.cpu_half_fallback_active()
+            before = calls()
+            a = torch.randn(40, 40, generator=g).bfloat16()
+            torch.mm(a, a)  # not the route's: LibTorch's own half matmul
+            assert calls() == before
+            out = F.scaled_dot_product_attention(q, k, v)
+            assert calls() > before  # attention's own kernels took it
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    finally:
+        ops._cpu_half_fallback_force(-1)

@@ -58,24 +58,12 @@ namespace {
 thread_local int active_depth = 0;
 thread_local uint64_t route_calls = 0;  // calls the route took in this thread (tests)
 thread_local uint64_t gemm_calls = 0;   // of them, apex's own product (tests)
-std::atomic<int> forced{-1};            // -1: decide; 0/1: tests' choice
+std::atomic<int> forced{-1};  // -1: decide; 0 nothing, 1 everything, 2 attention only (tests)
 
 // Whether the environment variable `name` is set to `value`.
 bool env_is(const char* name, const char* value) {
   const char* env = std::getenv(name);
   return env != nullptr && std::strcmp(env, value) == 0;
-}
-
-// Per dtype: a CPU can be fast in one and slow in the other (AVX512-BF16 without AVX512-FP16, as
-// AMD Zen 4/5 and Intel Cooper Lake: bf16 through oneDNN, fp16 in a scalar loop). Intel's
-// AVX-512 servers before them (Skylake to Ice Lake) take both: oneDNN's bf16 emulation there is
-// slower than fp32 (utils.h, CpuHalfMatmul::kEmulated).
-bool decide(at::ScalarType dtype) {
-  // "0" turns it off, "1" on even where LibTorch's half path is fast (to compare or profile it
-  // there); anything else: decided from the CPU.
-  if (env_is("APEX_CPU_HALF_FALLBACK", "0")) return false;
-  if (env_is("APEX_CPU_HALF_FALLBACK", "1")) return true;
-  return !cpu_half_matmul_is_fast(dtype);
 }
 
 bool is_half(const at::Tensor& t) {
@@ -566,22 +554,6 @@ at::Tensor wide_mask(const at::Tensor& m) {
   return wide(compact).expand(m.sizes());
 }
 
-// Whether attention's own kernels are in use: the CPU's kernel table has them, the product is on
-// (own_gemm), and APEX_CPU_HALF_ATTENTION is not "0" (to compare with widening, or with
-// LibTorch's half kernels where the route is off).
-bool own_attention_kernels() {
-  static const bool on = own_gemm() && kernels::cpu::half_attention_available() &&
-                         !env_is("APEX_CPU_HALF_ATTENTION", "0");
-  return on;
-}
-
-// Whether the kernels serve half dtypes the route does not (where LibTorch's matmuls are fast):
-// unless APEX_CPU_HALF_FALLBACK=0.
-bool attention_beyond_route() {
-  static const bool on = !env_is("APEX_CPU_HALF_FALLBACK", "0");
-  return on;
-}
-
 // Attention through apex's own kernels (kernels/attention.h): no dropout, one head of K and V per
 // head of Q, one head size (LibTorch's flash attention refuses others), sequences and heads up to
 // kAttentionMaxLength (all keys' scores held at once), an additive mask in the query's dtype of 2
@@ -642,11 +614,21 @@ kernels::cpu::HalfAttention attention_of(const at::Tensor& q, const at::Tensor& 
 // matmuls are fast but its half attention is not (AVX512-BF16 and AMX CPUs: ~0.4x its fp32
 // kernel up to a few hundred tokens; docs/amp.md): the kernels exist (AVX2 and wider) and
 // neither APEX_CPU_HALF_FALLBACK=0 nor APEX_CPU_HALF_ATTENTION=0 is set.
+// This process's decision: from cpuid and the environment, once.
+const detail::CpuHalfDecision& decision() {
+  static const detail::CpuHalfDecision d = detail::decide_cpu_half(
+      cpu_half_support(), own_gemm() && kernels::cpu::half_attention_available(),
+      std::getenv("APEX_CPU_HALF_FALLBACK"), std::getenv("APEX_CPU_HALF_ATTENTION"));
+  return d;
+}
+
 bool attention_available(at::ScalarType dtype) {
   const int f = forced.load();
-  if (f >= 0) return f == 1 && own_attention_kernels();
-  return own_attention_kernels() &&
-         (cpu_half_fallback_available(dtype) || attention_beyond_route());
+  if (f >= 0) {
+    return (f == 1 || f == 2) && own_gemm() && kernels::cpu::half_attention_available() &&
+           !env_is("APEX_CPU_HALF_ATTENTION", "0");
+  }
+  return dtype == at::kBFloat16 ? decision().attention_bf16 : decision().attention_fp16;
 }
 
 // In a scope, inputs of one half dtype that attention's own kernels serve and can take.
@@ -970,9 +952,11 @@ bool cpu_half_fallback_available(c10::ScalarType dtype) {
               "apex::amp::cpu_half_fallback_available: expected Half or BFloat16, got ", dtype);
   const int f = forced.load();
   if (f >= 0) return f == 1;
-  static const bool bf16 = decide(at::kBFloat16);
-  static const bool fp16 = decide(at::kHalf);
-  return dtype == at::kBFloat16 ? bf16 : fp16;
+  return dtype == at::kBFloat16 ? decision().route_bf16 : decision().route_fp16;
+}
+
+bool cpu_half_scope_available() {
+  return cpu_half_fallback_available() || attention_available_any();
 }
 
 bool cpu_half_fallback_available() {
@@ -984,7 +968,7 @@ bool cpu_half_fallback_active() { return active_depth > 0; }
 void prepare_cpu_half_fallback() { register_what_is_available(); }
 
 CpuHalfFallbackGuard::CpuHalfFallbackGuard(bool enabled)
-    : counted_(enabled && (cpu_half_fallback_available() || attention_available_any())) {
+    : counted_(enabled && cpu_half_scope_available()) {
   if (!counted_) return;
   register_what_is_available();
   ++active_depth;
@@ -997,6 +981,32 @@ CpuHalfFallbackGuard::~CpuHalfFallbackGuard() {
 namespace detail {
 void force_cpu_half_fallback_available(std::optional<bool> value) {
   forced.store(value.has_value() ? (*value ? 1 : 0) : -1);
+}
+
+void force_cpu_half_attention_only() { forced.store(2); }
+
+// Per dtype: a CPU can be fast in one and slow in the other (AVX512-BF16 without AVX512-FP16, as
+// AMD Zen 4/5 and Intel Cooper Lake: bf16 through oneDNN, fp16 in a scalar loop). Intel's
+// AVX-512 servers before them (Skylake to Ice Lake) take both: oneDNN's bf16 emulation there is
+// slower than fp32 (utils.h, CpuHalfMatmul::kEmulated). APEX_CPU_HALF_FALLBACK "0" turns
+// everything off, "1" the route on even where LibTorch's half path is fast (to compare or
+// profile it there). Attention's own kernels serve wherever the route does, and also where
+// LibTorch's half matmuls are fast (its half attention is not), unless APEX_CPU_HALF_ATTENTION
+// is "0" or the kernel table lacks them.
+CpuHalfDecision decide_cpu_half(const CpuHalfSupport& support, bool own_kernels,
+                                const char* fallback_env, const char* attention_env) {
+  const auto is = [](const char* v, const char* want) {
+    return v != nullptr && std::strcmp(v, want) == 0;
+  };
+  CpuHalfDecision d;
+  if (is(fallback_env, "0")) return d;
+  const bool all = is(fallback_env, "1");
+  d.route_bf16 = all || !cpu_half_matmul_is_fast(at::kBFloat16, support);
+  d.route_fp16 = all || !cpu_half_matmul_is_fast(at::kHalf, support);
+  const bool attention = own_kernels && !is(attention_env, "0");
+  d.attention_bf16 = attention;
+  d.attention_fp16 = attention;
+  return d;
 }
 
 uint64_t cpu_half_route_calls() { return route_calls; }

@@ -14,36 +14,57 @@ void check_options(const FusedNormOptions& o, const char* who) {
 }
 }  // namespace
 
-FusedLayerNormImpl::FusedLayerNormImpl(FusedNormOptions options_) : options(std::move(options_)) {
-  check_options(options, "FusedLayerNorm");
+namespace detail {
+
+template <class Self>
+LayerNormModule<Self>::LayerNormModule(FusedNormOptions options_, const char* who)
+    : options(std::move(options_)) {
+  check_options(options, who);
   reset();
 }
 
-void FusedLayerNormImpl::reset() {
+template <class Self>
+void LayerNormModule<Self>::reset() {
   if (options.elementwise_affine()) {
-    weight = register_parameter("weight", at::ones(options.normalized_shape()));
-    bias = register_parameter("bias", at::zeros(options.normalized_shape()));
+    weight = this->register_parameter("weight", at::ones(options.normalized_shape()));
+    bias = this->register_parameter("bias", at::zeros(options.normalized_shape()));
   } else {
-    weight = register_parameter("weight", at::Tensor(), /*requires_grad=*/false);
-    bias = register_parameter("bias", at::Tensor(), /*requires_grad=*/false);
+    weight = this->register_parameter("weight", at::Tensor(), /*requires_grad=*/false);
+    bias = this->register_parameter("bias", at::Tensor(), /*requires_grad=*/false);
   }
 }
+
+template <class Self>
+RMSNormModule<Self>::RMSNormModule(FusedNormOptions options_, const char* who)
+    : options(std::move(options_)) {
+  check_options(options, who);
+  reset();
+}
+
+template <class Self>
+void RMSNormModule<Self>::reset() {
+  weight = options.elementwise_affine()
+               ? this->register_parameter("weight", at::ones(options.normalized_shape()))
+               : this->register_parameter("weight", at::Tensor(), /*requires_grad=*/false);
+}
+
+template class LayerNormModule<FusedLayerNormImpl>;
+template class LayerNormModule<MixedFusedLayerNormImpl>;
+template class RMSNormModule<FusedRMSNormImpl>;
+template class RMSNormModule<MixedFusedRMSNormImpl>;
+
+}  // namespace detail
+
+FusedLayerNormImpl::FusedLayerNormImpl(FusedNormOptions options_)
+    : LayerNormModule(std::move(options_), "FusedLayerNorm") {}
 
 at::Tensor FusedLayerNormImpl::forward(const at::Tensor& input) {
   return fused_layer_norm(input, options.normalized_shape(), weight, bias, options.eps(),
                           options.memory_efficient());
 }
 
-FusedRMSNormImpl::FusedRMSNormImpl(FusedNormOptions options_) : options(std::move(options_)) {
-  check_options(options, "FusedRMSNorm");
-  reset();
-}
-
-void FusedRMSNormImpl::reset() {
-  weight = options.elementwise_affine()
-               ? register_parameter("weight", at::ones(options.normalized_shape()))
-               : register_parameter("weight", at::Tensor(), /*requires_grad=*/false);
-}
+FusedRMSNormImpl::FusedRMSNormImpl(FusedNormOptions options_)
+    : RMSNormModule(std::move(options_), "FusedRMSNorm") {}
 
 at::Tensor FusedRMSNormImpl::forward(const at::Tensor& input) {
   return fused_rms_norm(input, options.normalized_shape(), weight, options.eps(),
@@ -51,7 +72,7 @@ at::Tensor FusedRMSNormImpl::forward(const at::Tensor& input) {
 }
 
 MixedFusedLayerNormImpl::MixedFusedLayerNormImpl(FusedNormOptions options_)
-    : FusedLayerNormImpl(std::move(options_)) {
+    : LayerNormModule(std::move(options_), "MixedFusedLayerNorm") {
   TORCH_CHECK(
       options.elementwise_affine(),
       "MixedFusedLayerNorm: elementwise_affine must be true (the mixed variants are affine)");
@@ -63,7 +84,7 @@ at::Tensor MixedFusedLayerNormImpl::forward(const at::Tensor& input) {
 }
 
 MixedFusedRMSNormImpl::MixedFusedRMSNormImpl(FusedNormOptions options_)
-    : FusedRMSNormImpl(std::move(options_)) {
+    : RMSNormModule(std::move(options_), "MixedFusedRMSNorm") {
   TORCH_CHECK(options.elementwise_affine(),
               "MixedFusedRMSNorm: elementwise_affine must be true (the mixed variants are affine)");
 }

@@ -4,6 +4,7 @@
 #include <ATen/ops/mm_cpu_dispatch.h>
 #include <apex/amp/autocast.h>
 #include <apex/amp/cpu_half.h>
+#include <apex/amp/utils.h>
 
 #include <functional>
 #include <limits>
@@ -1081,6 +1082,66 @@ TEST(CpuHalfFallback, ScopeOnOffNestedThreadsExceptions) {
     EXPECT_FALSE(apex::amp::cpu_half_fallback_active());
     EXPECT_TRUE(at::mm(a, b).equal(libtorch));
   }
+}
+
+// What the scope serves, decided from a CPU's flags, for every CPU family seen: the route where
+// LibTorch multiplies a half dtype slowly, attention's own kernels wherever the kernel table has
+// them (also where LibTorch's half matmuls are fast: its half attention is not).
+TEST(CpuHalfDecision, EveryCpuFamilyByItsFlags) {
+  using apex::amp::CpuHalfSupport;
+  using apex::amp::detail::decide_cpu_half;
+  CpuHalfSupport zen3;  // AVX2 only
+  zen3.onednn = true;
+  CpuHalfSupport skylake = zen3;  // AVX-512 without its bf16 instructions: oneDNN emulates
+  skylake.avx512_core = true;
+  CpuHalfSupport zen4 = skylake;  // AVX512-BF16, no AVX512-FP16 (Zen 4/5, Cooper Lake)
+  zen4.avx512_bf16 = true;
+  CpuHalfSupport spr = zen4;  // Sapphire Rapids: AVX512-FP16 and AMX
+  spr.avx512_fp16 = true;
+  spr.amx_bf16 = true;
+  spr.amx_fp16 = true;
+  struct Case {
+    const char* name;
+    CpuHalfSupport cpu;
+    bool own_kernels;
+    const char* fallback;
+    const char* attention;
+    bool route_bf16, route_fp16, attention_on, scope;
+  };
+  const Case cases[] = {
+      {"Zen 3", zen3, true, nullptr, nullptr, true, true, true, true},
+      {"Skylake-Ice Lake", skylake, true, nullptr, nullptr, true, true, true, true},
+      {"Zen 4/5", zen4, true, nullptr, nullptr, false, true, true, true},
+      // The case Python's scope missed: nothing for the route, attention's kernels still on.
+      {"Sapphire Rapids", spr, true, nullptr, nullptr, false, false, true, true},
+      {"Sapphire Rapids, FALLBACK=1", spr, true, "1", nullptr, true, true, true, true},
+      {"Sapphire Rapids, ATTENTION=0", spr, true, nullptr, "0", false, false, false, false},
+      {"Sapphire Rapids, no kernels", spr, false, nullptr, nullptr, false, false, false, false},
+      {"Zen 3, FALLBACK=0", zen3, true, "0", nullptr, false, false, false, false},
+      {"Zen 3, ATTENTION=0", zen3, true, nullptr, "0", true, true, false, true},
+      {"no oneDNN", CpuHalfSupport{}, true, nullptr, nullptr, true, true, true, true},
+  };
+  for (const Case& c : cases) {
+    const auto d = decide_cpu_half(c.cpu, c.own_kernels, c.fallback, c.attention);
+    EXPECT_EQ(d.route_bf16, c.route_bf16) << c.name;
+    EXPECT_EQ(d.route_fp16, c.route_fp16) << c.name;
+    EXPECT_EQ(d.attention_bf16, c.attention_on) << c.name;
+    EXPECT_EQ(d.attention_fp16, c.attention_on) << c.name;
+    EXPECT_EQ(d.scope(), c.scope) << c.name;
+  }
+}
+
+// On a CPU whose half matmuls are fast (forced here), the guard still turns on for attention.
+TEST(CpuHalfDecision, GuardServesAttentionWithoutTheRoute) {
+  apex::amp::detail::force_cpu_half_attention_only();
+  const bool kernels = apex::amp::detail::cpu_half_attention_available(at::kBFloat16);
+  {
+    const CpuHalfFallbackGuard guard;
+    EXPECT_EQ(apex::amp::cpu_half_fallback_active(), kernels);
+    EXPECT_EQ(apex::amp::cpu_half_scope_available(), kernels);
+    EXPECT_FALSE(apex::amp::cpu_half_fallback_available());
+  }
+  apex::amp::detail::force_cpu_half_fallback_available(std::nullopt);
 }
 
 // The amp handle turns the scope on for its forward and its scaled-loss backward.

@@ -903,6 +903,26 @@ TEST(FusedNorm, MixedVariantsOutputParameterDtype) {
       "elementwise_affine must be true"));
 }
 
+// clone() copies the class it is called on (the mixed modules used to come back as the plain
+// ones, whose output is the input's dtype), with its own copies of the parameters.
+TEST(FusedNorm, CloneKeepsTheModuleClass) {
+  namespace an = apex::normalization;
+  const at::Tensor x = at::randn({3, 16}).to(at::kBFloat16);
+  const auto check = [&](auto m, const char* name) {
+    torch::NoGradGuard no_grad;
+    m->weight.uniform_(0.5, 1.5);
+    const auto copy = std::dynamic_pointer_cast<typename decltype(m)::Impl>(m->clone());
+    ASSERT_TRUE(copy != nullptr) << name << ": clone() returned another class";
+    EXPECT_TRUE(copy->forward(x).equal(m->forward(x))) << name;
+    EXPECT_EQ(copy->forward(x).scalar_type(), m->forward(x).scalar_type()) << name;
+    EXPECT_NE(copy->weight.data_ptr(), m->weight.data_ptr()) << name;
+  };
+  check(an::MixedFusedLayerNorm(an::FusedNormOptions({16})), "MixedFusedLayerNorm");
+  check(an::MixedFusedRMSNorm(an::FusedNormOptions({16})), "MixedFusedRMSNorm");
+  check(an::FusedLayerNorm(an::FusedNormOptions({16})), "FusedLayerNorm");
+  check(an::FusedRMSNorm(an::FusedNormOptions({16})), "FusedRMSNorm");
+}
+
 // What comes out of the norms at each opt level (the table in docs/normalization.md): a Linear
 // feeds a FusedLayerNorm and a MixedFusedLayerNorm; statistics are fp32 at every level, checked
 // against a float64 reference of the same (rounded) input.

@@ -22,6 +22,11 @@ bool cpu_half_fallback_available(c10::ScalarType dtype);
 /// ... for bf16 or fp16.
 bool cpu_half_fallback_available();
 
+/// Whether a CpuHalfFallbackGuard does anything in this process: the route serves a half dtype,
+/// or attention's own kernels do (also where LibTorch's half matmuls are fast). C++'s guard and
+/// Python's `apex.amp.cpu_half_fallback()` both ask this one question.
+bool cpu_half_scope_available();
+
 /// Whether it is on now, in this thread (a CpuHalfFallbackGuard that enabled it is alive).
 bool cpu_half_fallback_active();
 
@@ -61,9 +66,30 @@ class CpuHalfFallbackGuard {
 /// is bypassed from then on, for every dtype).
 void prepare_cpu_half_fallback();
 
+struct CpuHalfSupport;
+
 namespace detail {
-/// Tests only: decide availability as `forced` (nullopt: from the CPU and the environment again).
+/// What the scope serves on a CPU: the route per dtype, attention's own kernels per dtype.
+struct CpuHalfDecision {
+  bool route_bf16 = false;
+  bool route_fp16 = false;
+  bool attention_bf16 = false;
+  bool attention_fp16 = false;
+  bool scope() const { return route_bf16 || route_fp16 || attention_bf16 || attention_fp16; }
+};
+/// The decision for a CPU with `support`, whose kernel table has apex's half product and
+/// attention kernels (`own_kernels`: AVX2 and wider, unless APEX_CPU_HALF_GEMM=0), under the
+/// values of APEX_CPU_HALF_FALLBACK and APEX_CPU_HALF_ATTENTION (nullptr: unset). The process
+/// decides once with this CPU's cpuid and environment; tests ask it for every CPU family.
+CpuHalfDecision decide_cpu_half(const CpuHalfSupport& support, bool own_kernels,
+                                const char* fallback_env, const char* attention_env);
+
+/// Tests only: decide availability as `forced` (nullopt: from the CPU and the environment again;
+/// false: nothing, as APEX_CPU_HALF_FALLBACK=0; true: the route and attention for both dtypes).
 void force_cpu_half_fallback_available(std::optional<bool> forced);
+/// Tests only: as a CPU whose half matmuls LibTorch runs fast (AVX512-BF16 and AVX512-FP16, or
+/// AMX): no route, attention's own kernels for both dtypes (where the kernel table has them).
+void force_cpu_half_attention_only();
 /// Tests only: how many op calls in this thread the route has computed (not handed to LibTorch).
 uint64_t cpu_half_route_calls();
 /// Tests only: whether products with more than 32 rows and columns take apex's own product

@@ -22,35 +22,52 @@ struct FusedNormOptions {
   TORCH_ARG(bool, memory_efficient) = false;
 };
 
-/// LayerNorm over the trailing normalized_shape dimensions, on the fused kernels
-/// (apex.normalization.FusedLayerNorm). `FusedLayerNorm ln(FusedNormOptions({768}));`
-class FusedLayerNormImpl : public torch::nn::Cloneable<FusedLayerNormImpl> {
+namespace detail {
+/// What the LayerNorm modules share: options, and weight (ones) and bias (zeros) when affine.
+/// `Self` is the module class, so that clone() copies the class it is called on.
+template <class Self>
+class LayerNormModule : public torch::nn::Cloneable<Self> {
  public:
-  explicit FusedLayerNormImpl(FusedNormOptions options);
+  LayerNormModule(FusedNormOptions options, const char* who);
   void reset() override;
-  at::Tensor forward(const at::Tensor& input);
 
   FusedNormOptions options;
   at::Tensor weight;
   at::Tensor bias;
 };
-TORCH_MODULE(FusedLayerNorm);
 
-/// RMSNorm over the trailing normalized_shape dimensions (apex.normalization.FusedRMSNorm).
-class FusedRMSNormImpl : public torch::nn::Cloneable<FusedRMSNormImpl> {
+/// What the RMSNorm modules share: options, and weight (ones) when affine.
+template <class Self>
+class RMSNormModule : public torch::nn::Cloneable<Self> {
  public:
-  explicit FusedRMSNormImpl(FusedNormOptions options);
+  RMSNormModule(FusedNormOptions options, const char* who);
   void reset() override;
-  at::Tensor forward(const at::Tensor& input);
 
   FusedNormOptions options;
   at::Tensor weight;
+};
+}  // namespace detail
+
+/// LayerNorm over the trailing normalized_shape dimensions, on the fused kernels
+/// (apex.normalization.FusedLayerNorm). `FusedLayerNorm ln(FusedNormOptions({768}));`
+class FusedLayerNormImpl : public detail::LayerNormModule<FusedLayerNormImpl> {
+ public:
+  explicit FusedLayerNormImpl(FusedNormOptions options);
+  at::Tensor forward(const at::Tensor& input);
+};
+TORCH_MODULE(FusedLayerNorm);
+
+/// RMSNorm over the trailing normalized_shape dimensions (apex.normalization.FusedRMSNorm).
+class FusedRMSNormImpl : public detail::RMSNormModule<FusedRMSNormImpl> {
+ public:
+  explicit FusedRMSNormImpl(FusedNormOptions options);
+  at::Tensor forward(const at::Tensor& input);
 };
 TORCH_MODULE(FusedRMSNorm);
 
 /// apex's MixedFusedLayerNorm: always affine, parameters in fp32 (or whatever dtype they are
 /// given), input usually fp16/bf16, output in the parameters' dtype.
-class MixedFusedLayerNormImpl : public FusedLayerNormImpl {
+class MixedFusedLayerNormImpl : public detail::LayerNormModule<MixedFusedLayerNormImpl> {
  public:
   explicit MixedFusedLayerNormImpl(FusedNormOptions options);
   at::Tensor forward(const at::Tensor& input);
@@ -58,7 +75,7 @@ class MixedFusedLayerNormImpl : public FusedLayerNormImpl {
 TORCH_MODULE(MixedFusedLayerNorm);
 
 /// apex's MixedFusedRMSNorm: as MixedFusedLayerNorm, for RMSNorm.
-class MixedFusedRMSNormImpl : public FusedRMSNormImpl {
+class MixedFusedRMSNormImpl : public detail::RMSNormModule<MixedFusedRMSNormImpl> {
  public:
   explicit MixedFusedRMSNormImpl(FusedNormOptions options);
   at::Tensor forward(const at::Tensor& input);
