@@ -181,7 +181,7 @@ void multi_tensor_adam(const Tensor& noop, const TensorList& g, const TensorList
                        const std::optional<Tensor>& inv_scale,
                        const std::optional<Tensor>& found_inf,
                        const std::optional<Tensor>& lr_tensor,
-                       const std::optional<Tensor>& step_tensor) {
+                       const std::optional<Tensor>& step_tensor, bool unscale_grads) {
   constexpr const char* who = "multi_tensor_adam";
   check_flag(noop, who);
   if (p.empty()) return;
@@ -194,6 +194,7 @@ void multi_tensor_adam(const Tensor& noop, const TensorList& g, const TensorList
   args.step_ptr = optional_scalar(step_tensor, device, who, "step");
   args.amp.inv_scale = optional_scalar(inv_scale, device, who, "inv_scale");
   args.amp.found_inf = optional_scalar(found_inf, device, who, "found_inf");
+  args.amp.unscale_grads = unscale_grads;
   const auto view = lists.view();
   bridge::launch(device, kernels::cpu::adam, kernels::cuda::adam, view, args);
 }
@@ -201,7 +202,7 @@ void multi_tensor_adam(const Tensor& noop, const TensorList& g, const TensorList
 void multi_tensor_sgd(const Tensor& noop, const TensorList& g, const TensorList& p,
                       const TensorList& momentum_buf, const TensorList& master, double lr,
                       double momentum, double dampening, double weight_decay, bool nesterov,
-                      bool first_run, bool wd_after_momentum, double scale) {
+                      bool first_run, bool wd_after_momentum, double scale, bool unscale_grads) {
   constexpr const char* who = "multi_tensor_sgd";
   check_flag(noop, who);
   if (p.empty()) return;
@@ -221,6 +222,7 @@ void multi_tensor_sgd(const Tensor& noop, const TensorList& g, const TensorList&
       sgd_args(lr, momentum, dampening, weight_decay, nesterov, first_run, wd_after_momentum);
   args.amp.inv_scale = inv.data_ptr<float>();
   args.amp.found_inf = flag.data_ptr<float>();
+  args.amp.unscale_grads = unscale_grads;
   const auto view = lists.view();
   bridge::launch(device, kernels::cpu::sgd, kernels::cuda::sgd, view, args);
 }
@@ -229,7 +231,7 @@ void multi_tensor_adagrad(const Tensor& noop, const TensorList& g, const TensorL
                           const TensorList& h, const TensorList& master, double lr, double eps,
                           bool adagrad_w_mode, double weight_decay,
                           const std::optional<Tensor>& inv_scale,
-                          const std::optional<Tensor>& found_inf) {
+                          const std::optional<Tensor>& found_inf, bool unscale_grads) {
   constexpr const char* who = "multi_tensor_adagrad";
   check_flag(noop, who);
   if (p.empty()) return;
@@ -239,6 +241,7 @@ void multi_tensor_adagrad(const Tensor& noop, const TensorList& g, const TensorL
   kernels::AdagradArgs args = adagrad_args(lr, eps, adagrad_w_mode, weight_decay);
   args.amp.inv_scale = optional_scalar(inv_scale, device, who, "inv_scale");
   args.amp.found_inf = optional_scalar(found_inf, device, who, "found_inf");
+  args.amp.unscale_grads = unscale_grads;
   const auto view = lists.view();
   bridge::launch(device, kernels::cpu::adagrad, kernels::cuda::adagrad, view, args);
 }
@@ -249,7 +252,7 @@ void multi_tensor_lamb(const Tensor& noop, const TensorList& g, const TensorList
                        bool bias_correction, double weight_decay, bool grad_averaging,
                        bool adam_w_mode, const Tensor& global_grad_norm, double max_grad_norm,
                        bool use_nvlamb, const std::optional<Tensor>& inv_scale,
-                       const std::optional<Tensor>& found_inf) {
+                       const std::optional<Tensor>& found_inf, bool unscale_grads) {
   constexpr const char* who = "multi_tensor_lamb";
   check_flag(noop, who);
   if (p.empty()) return;
@@ -270,6 +273,7 @@ void multi_tensor_lamb(const Tensor& noop, const TensorList& g, const TensorList
   args.p_sumsq = p_sumsq.data_ptr<float>();
   args.amp.inv_scale = optional_scalar(inv_scale, device, who, "inv_scale");
   args.amp.found_inf = optional_scalar(found_inf, device, who, "found_inf");
+  args.amp.unscale_grads = unscale_grads;
   const auto view = lists.view();
   bridge::launch(device, kernels::cpu::lamb_stage1, kernels::cuda::lamb_stage1, view, args);
   bridge::launch(device, kernels::cpu::lamb_stage2, kernels::cuda::lamb_stage2, view, args);
@@ -280,7 +284,7 @@ void multi_tensor_novograd(const Tensor& noop, const TensorList& g, const Tensor
                            double lr, double beta1, double beta2, double eps, int64_t step,
                            bool bias_correction, double weight_decay, bool grad_averaging,
                            bool reg_inside_moment, const std::optional<Tensor>& inv_scale,
-                           const std::optional<Tensor>& found_inf) {
+                           const std::optional<Tensor>& found_inf, bool unscale_grads) {
   constexpr const char* who = "multi_tensor_novograd";
   check_flag(noop, who);
   if (p.empty()) return;
@@ -296,6 +300,7 @@ void multi_tensor_novograd(const Tensor& noop, const TensorList& g, const Tensor
   args.v = vf.data_ptr<float>();
   args.amp.inv_scale = optional_scalar(inv_scale, device, who, "inv_scale");
   args.amp.found_inf = optional_scalar(found_inf, device, who, "found_inf");
+  args.amp.unscale_grads = unscale_grads;
   const auto view = lists.view();
   bridge::launch(device, kernels::cpu::novograd, kernels::cuda::novograd, view, args);
 }

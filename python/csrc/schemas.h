@@ -1,6 +1,7 @@
 // The schemas of the multi-tensor ops, shared by the two op libraries (ops.cpp: namespace
 // apex_cpp, regular ABI; stable_ops.cpp: apex_cpp_stable, stable ABI) so that they cannot drift.
-// X(name, schema).
+// X(name, schema). The optimizers' grads are written when unscale_grads (GradScaler's contract:
+// gradients unscaled after the step), so the schemas say they may be.
 #pragma once
 
 #define APEX_PY_MULTI_TENSOR_OPS(X)                                                                \
@@ -16,32 +17,34 @@
     "multi_tensor_unscale_l2norm(Tensor(a!) noop_flag, Tensor[] tensors, Tensor inv_scale, bool "  \
     "per_tensor) -> (Tensor, Tensor)")                                                             \
   X(multi_tensor_adam,                                                                             \
-    "multi_tensor_adam(Tensor(a!) noop_flag, Tensor[] grads, Tensor(b!)[] params, Tensor(c!)[] "   \
-    "exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] master_params, float lr, float beta1, "      \
-    "float beta2, float eps, int step, bool adam_w_mode, bool bias_correction, float "             \
-    "weight_decay, Tensor? inv_scale=None, Tensor? found_inf=None, Tensor? lr_tensor=None, "       \
-    "Tensor? step_tensor=None) -> ()")                                                             \
+    "multi_tensor_adam(Tensor(a!) noop_flag, Tensor(g!)[] grads, Tensor(b!)[] params, "            \
+    "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] master_params, float lr, "      \
+    "float beta1, float beta2, float eps, int step, bool adam_w_mode, bool bias_correction, "      \
+    "float weight_decay, Tensor? inv_scale=None, Tensor? found_inf=None, Tensor? "                 \
+    "lr_tensor=None, Tensor? step_tensor=None, bool unscale_grads=False) -> ()")                   \
   X(multi_tensor_sgd,                                                                              \
-    "multi_tensor_sgd(Tensor(a!) noop_flag, Tensor[] grads, Tensor(b!)[] params, Tensor(c!)[] "    \
-    "momentum_buffers, Tensor(d!)[] master_params, float lr, float momentum, float dampening, "    \
-    "float weight_decay, bool nesterov, bool first_run, bool wd_after_momentum, float scale) -> "  \
-    "()")                                                                                          \
+    "multi_tensor_sgd(Tensor(a!) noop_flag, Tensor(g!)[] grads, Tensor(b!)[] params, "             \
+    "Tensor(c!)[] momentum_buffers, Tensor(d!)[] master_params, float lr, float momentum, float "  \
+    "dampening, float weight_decay, bool nesterov, bool first_run, bool wd_after_momentum, "       \
+    "float scale, bool unscale_grads=False) -> ()")                                                \
   X(multi_tensor_adagrad,                                                                          \
-    "multi_tensor_adagrad(Tensor(a!) noop_flag, Tensor[] grads, Tensor(b!)[] params, "             \
+    "multi_tensor_adagrad(Tensor(a!) noop_flag, Tensor(g!)[] grads, Tensor(b!)[] params, "         \
     "Tensor(c!)[] state_sums, Tensor(d!)[] master_params, float lr, float eps, bool "              \
-    "adagrad_w_mode, float weight_decay, Tensor? inv_scale=None, Tensor? found_inf=None) -> ()")   \
+    "adagrad_w_mode, float weight_decay, Tensor? inv_scale=None, Tensor? found_inf=None, bool "    \
+    "unscale_grads=False) -> ()")                                                                  \
   X(multi_tensor_lamb,                                                                             \
-    "multi_tensor_lamb(Tensor(a!) noop_flag, Tensor[] grads, Tensor(b!)[] params, Tensor(c!)[] "   \
-    "exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] master_params, float lr, float beta1, "      \
-    "float beta2, float eps, int step, bool bias_correction, float weight_decay, bool "            \
-    "grad_averaging, bool adam_w_mode, Tensor global_grad_norm, float max_grad_norm, bool "        \
-    "use_nvlamb, Tensor? inv_scale=None, Tensor? found_inf=None) -> ()")                           \
+    "multi_tensor_lamb(Tensor(a!) noop_flag, Tensor(g!)[] grads, Tensor(b!)[] params, "            \
+    "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] master_params, float lr, "      \
+    "float beta1, float beta2, float eps, int step, bool bias_correction, float weight_decay, "    \
+    "bool grad_averaging, bool adam_w_mode, Tensor global_grad_norm, float max_grad_norm, bool "   \
+    "use_nvlamb, Tensor? inv_scale=None, Tensor? found_inf=None, bool unscale_grads=False) -> "    \
+    "()")                                                                                          \
   X(multi_tensor_novograd,                                                                         \
-    "multi_tensor_novograd(Tensor(a!) noop_flag, Tensor[] grads, Tensor(b!)[] params, "            \
+    "multi_tensor_novograd(Tensor(a!) noop_flag, Tensor(g!)[] grads, Tensor(b!)[] params, "        \
     "Tensor(c!)[] exp_avgs, Tensor(d!)[] master_params, Tensor grad_norms, float lr, float "       \
     "beta1, float beta2, float eps, int step, bool bias_correction, float weight_decay, bool "     \
-    "grad_averaging, bool reg_inside_moment, Tensor? inv_scale=None, Tensor? found_inf=None) -> "  \
-    "()")
+    "grad_averaging, bool reg_inside_moment, Tensor? inv_scale=None, Tensor? found_inf=None, "     \
+    "bool unscale_grads=False) -> ()")
 
 // The norms' forward and backward (fused_norm, the modules' op, is the regular library's alone).
 #define APEX_PY_NORM_FWD_SCHEMA                                                                    \

@@ -375,7 +375,8 @@ void multi_tensor_adam(Tensor noop, TensorList g, TensorList p, TensorList m, Te
                        TensorList master, double lr, double beta1, double beta2, double eps,
                        int64_t step, bool adam_w_mode, bool bias_correction, double weight_decay,
                        std::optional<Tensor> inv_scale, std::optional<Tensor> found_inf,
-                       std::optional<Tensor> lr_tensor, std::optional<Tensor> step_tensor) {
+                       std::optional<Tensor> lr_tensor, std::optional<Tensor> step_tensor,
+                       bool unscale_grads) {
   constexpr const char* who = "multi_tensor_adam";
   check_flag(noop, who);
   if (p.empty()) return;
@@ -387,13 +388,14 @@ void multi_tensor_adam(Tensor noop, TensorList g, TensorList p, TensorList m, Te
   args.step_ptr = scalar_ptr(step_tensor, who, "step");
   args.amp.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
   args.amp.found_inf = scalar_ptr(found_inf, who, "found_inf");
+  args.amp.unscale_grads = unscale_grads;
   kernels::cpu::adam(lists.view(), args);
 }
 
 void multi_tensor_sgd(Tensor noop, TensorList g, TensorList p, TensorList momentum_buf,
                       TensorList master, double lr, double momentum, double dampening,
                       double weight_decay, bool nesterov, bool first_run, bool wd_after_momentum,
-                      double scale) {
+                      double scale, bool unscale_grads) {
   constexpr const char* who = "multi_tensor_sgd";
   check_flag(noop, who);
   if (p.empty()) return;
@@ -412,12 +414,14 @@ void multi_tensor_sgd(Tensor noop, TensorList g, TensorList p, TensorList moment
       sgd_args(lr, momentum, dampening, weight_decay, nesterov, first_run, wd_after_momentum);
   args.amp.inv_scale = &inv;
   args.amp.found_inf = &flag;
+  args.amp.unscale_grads = unscale_grads;
   kernels::cpu::sgd(lists.view(), args);
 }
 
 void multi_tensor_adagrad(Tensor noop, TensorList g, TensorList p, TensorList h, TensorList master,
                           double lr, double eps, bool adagrad_w_mode, double weight_decay,
-                          std::optional<Tensor> inv_scale, std::optional<Tensor> found_inf) {
+                          std::optional<Tensor> inv_scale, std::optional<Tensor> found_inf,
+                          bool unscale_grads) {
   constexpr const char* who = "multi_tensor_adagrad";
   check_flag(noop, who);
   if (p.empty()) return;
@@ -426,6 +430,7 @@ void multi_tensor_adagrad(Tensor noop, TensorList g, TensorList p, TensorList h,
   kernels::AdagradArgs args = adagrad_args(lr, eps, adagrad_w_mode, weight_decay);
   args.amp.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
   args.amp.found_inf = scalar_ptr(found_inf, who, "found_inf");
+  args.amp.unscale_grads = unscale_grads;
   kernels::cpu::adagrad(lists.view(), args);
 }
 
@@ -434,7 +439,7 @@ void multi_tensor_lamb(Tensor noop, TensorList g, TensorList p, TensorList m, Te
                        int64_t step, bool bias_correction, double weight_decay, bool grad_averaging,
                        bool adam_w_mode, Tensor global_grad_norm, double max_grad_norm,
                        bool use_nvlamb, std::optional<Tensor> inv_scale,
-                       std::optional<Tensor> found_inf) {
+                       std::optional<Tensor> found_inf, bool unscale_grads) {
   constexpr const char* who = "multi_tensor_lamb";
   check_flag(noop, who);
   if (p.empty()) return;
@@ -454,6 +459,7 @@ void multi_tensor_lamb(Tensor noop, TensorList g, TensorList p, TensorList m, Te
   args.p_sumsq = p_sumsq.data();
   args.amp.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
   args.amp.found_inf = scalar_ptr(found_inf, who, "found_inf");
+  args.amp.unscale_grads = unscale_grads;
   kernels::cpu::lamb_stage1(lists.view(), args);
   kernels::cpu::lamb_stage2(lists.view(), args);
 }
@@ -462,7 +468,8 @@ void multi_tensor_novograd(Tensor noop, TensorList g, TensorList p, TensorList m
                            Tensor v, double lr, double beta1, double beta2, double eps,
                            int64_t step, bool bias_correction, double weight_decay,
                            bool grad_averaging, bool reg_inside_moment,
-                           std::optional<Tensor> inv_scale, std::optional<Tensor> found_inf) {
+                           std::optional<Tensor> inv_scale, std::optional<Tensor> found_inf,
+                           bool unscale_grads) {
   constexpr const char* who = "multi_tensor_novograd";
   check_flag(noop, who);
   if (p.empty()) return;
@@ -484,6 +491,7 @@ void multi_tensor_novograd(Tensor noop, TensorList g, TensorList p, TensorList m
   args.v = vf.data();
   args.amp.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
   args.amp.found_inf = scalar_ptr(found_inf, who, "found_inf");
+  args.amp.unscale_grads = unscale_grads;
   kernels::cpu::novograd(lists.view(), args);
 }
 

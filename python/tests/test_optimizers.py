@@ -113,12 +113,54 @@ def test_grad_scaler_unscales_in_kernel_and_skips_on_overflow():
     assert skipped == 2
     assert s_ours.get_scale() == s_ref.get_scale() == 512.0
     close(ours, ref)
-    # Our gradients were never unscaled in place (the kernel reads grad * inv_scale).
-    s_ours.scale(torch.ones(()))
-    set_grads(ours, 99, scale=512.0)
-    g0 = ours[0].grad.clone()
-    s_ours.step(opt)
-    assert torch.equal(ours[0].grad, g0)
+    # torch's contract: p.grad unscaled after scaler.step (torch unscales in place; the kernel
+    # writes grad * inv_scale back in the update's pass), the skipped step's too.
+    for a, b in zip(ours, ref):
+        assert torch.equal(a.grad, b.grad)
+
+
+FUSED = {
+    "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01),
+    "FusedAdam capturable": lambda ps: FusedAdam(ps, lr=1e-2, capturable=True),
+    "FusedSGD": lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9),
+    "FusedLAMB": lambda ps: FusedLAMB(ps, lr=1e-2),
+    "FusedNovoGrad": lambda ps: FusedNovoGrad(ps, lr=1e-2),
+    "FusedAdagrad": lambda ps: FusedAdagrad(ps, lr=1e-2),
+    "FusedMixedPrecisionLamb": lambda ps: FusedMixedPrecisionLamb(ps, lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUSED))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_scaler_leaves_unscaled_gradients(name, dtype):
+    """After scaler.step(opt), p.grad holds the unscaled gradient, as torch's GradScaler leaves
+    it (unscale_ in place) and apex's capturable kernel writes it: code that reads or clips
+    p.grad after the step sees true gradients. Skipped steps too. The update is the one the
+    kernel makes without the write-back (compared with the gradients unscaled by hand first)."""
+    ours = make_params(dtype)
+    twin = [p.detach().clone().requires_grad_() for p in ours]
+    opt, opt_twin = FUSED[name](ours), FUSED[name](twin)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(4):
+        scaler.scale(torch.ones(()))
+        scale = scaler.get_scale()
+        set_grads(ours, step, scale=scale)
+        if step == 2:
+            ours[1].grad[3] = float("inf")
+        scaled = [p.grad.clone() for p in ours]
+        inv = (1.0 / torch.tensor(scale, dtype=torch.float64)).float()
+        want = [(g.float() * inv).to(g.dtype) for g in scaled]
+        scaler.step(opt)
+        scaler.update()
+        for i, (p, w) in enumerate(zip(ours, want)):
+            assert torch.equal(p.grad, w), f"{name} {dtype} step {step} tensor {i}"
+        if step != 2:  # the twin steps on the same gradients, unscaled by torch's own op
+            for p, w in zip(twin, want):
+                p.grad = w.clone()
+            opt_twin.step()
+    for a, b in zip(ours, twin):
+        close([a.float()], [b.float()], rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+              atol=1e-3 if dtype == torch.bfloat16 else 1e-6)
 
 
 @pytest.mark.parametrize("nesterov,momentum,wd", [(False, 0.0, 0.0), (False, 0.9, 0.01),

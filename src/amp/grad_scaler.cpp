@@ -170,6 +170,8 @@ std::optional<at::Tensor> GradScaler::fused_step(apex::optim::FusedOptimizer& op
     }
     detail::check_finite_(grads, state.found_inf_per_device);
     scaling.inv_scale = inv_scale();
+    // torch's contract: p.grad unscaled after step(), whether the step ran or was skipped.
+    scaling.unscale_grads = true;
   }
   TORCH_CHECK(!state.found_inf_per_device.empty(),
               "GradScaler::step: no inf checks were recorded for this optimizer (no parameter "
@@ -180,7 +182,16 @@ std::optional<at::Tensor> GradScaler::fused_step(apex::optim::FusedOptimizer& op
     result = optimizer.step(scaling);
   } else if (scaling.found_inf.item<float>() == 0.0f) {
     // Optimizers that read the flag on the host anyway: read it once here instead.
-    result = optimizer.step(GradScaling{scaling.inv_scale, at::Tensor()});
+    result = optimizer.step(GradScaling{scaling.inv_scale, at::Tensor(), scaling.unscale_grads});
+  } else if (scaling.unscale_grads) {
+    // Skipped: the gradients are unscaled all the same (a rare step; torch's unscale_ pass).
+    const at::NoGradGuard no_grad;
+    for (auto& group : optimizer.param_groups()) {
+      for (auto& p : group.params()) {
+        at::Tensor g = p.grad();
+        if (g.defined() && !g.is_sparse()) g.mul_(scaling.inv_scale.to(g.device()));
+      }
+    }
   }
   state.stage = Stage::kStepped;
   return result;

@@ -37,6 +37,10 @@ struct AmpArgs {
       nullptr;  ///< kernel memory; grads are multiplied by *inv_scale. null = 1
   const float* found_inf =
       nullptr;  ///< kernel memory; when non-null and != 0 the kernel changes nothing
+  /// torch's GradScaler contract: the gradients are left unscaled after the step. The kernel
+  /// writes g_in * inv_scale back into the gradient list in the same pass (and, on a skipped
+  /// step, only that). Needs inv_scale.
+  bool unscale_grads = false;
 };
 
 // ---------------------------------------------------------------------------------------------

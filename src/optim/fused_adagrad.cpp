@@ -120,6 +120,7 @@ void FusedAdagrad::fused_step(const GradScaling& scaling) {
         args.weight_decay = static_cast<float>(o.weight_decay());
         args.adagrad_w_mode = o.adagrad_w_mode();
         args.amp.inv_scale = bridge::scalar_ptr(inv, device, kWho, "inv_scale");
+        args.amp.unscale_grads = scaling.unscale_grads;
         const auto view = lists.view();
         bridge::launch(device, kernels::cpu::adagrad, kernels::cuda::adagrad, view, args);
       }

@@ -149,6 +149,7 @@ void FusedAdam::fused_step(const GradScaling& scaling) {
       args.lr_ptr = lr.data_ptr<float>();
     }
     args.amp.inv_scale = bridge::scalar_ptr(inv, device, kWho, "inv_scale");
+    args.amp.unscale_grads = scaling.unscale_grads;
     args.amp.found_inf = bridge::scalar_ptr(found, device, kWho, "found_inf");
 
     for (const auto& bucket : buckets(entries)) {

@@ -138,6 +138,7 @@ void FusedLAMB::fused_step(const GradScaling& scaling) {
     args.max_grad_norm = static_cast<float>(o.max_grad_norm());
     args.global_grad_norm = gnorm.data_ptr<float>();
     args.amp.inv_scale = bridge::scalar_ptr(inv, device, kWho, "inv_scale");
+    args.amp.unscale_grads = scaling.unscale_grads;
     for (const auto& bucket : buckets(groups[gi])) {
       const bool master = o.master_weights() && bucket.front().param.scalar_type() != at::kFloat;
       bridge::ListBuilder lists(5);

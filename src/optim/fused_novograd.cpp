@@ -148,6 +148,7 @@ void FusedNovoGrad::fused_step(const GradScaling& scaling) {
       args.reg_inside_moment = o.reg_inside_moment();
       args.v = v.data_ptr<float>();
       args.amp.inv_scale = bridge::scalar_ptr(inv, device, kWho, "inv_scale");
+      args.amp.unscale_grads = scaling.unscale_grads;
       const auto view = lists.view();
       bridge::launch(device, kernels::cpu::novograd, kernels::cuda::novograd, view, args);
       for (size_t i = 0; i < bucket.size(); ++i) {

@@ -50,10 +50,15 @@ torch::Tensor FusedOptimizer::step(const GradScaling& scaling, LossClosure closu
   const at::NoGradGuard no_grad;
   fused_step(scaling);
   // The kernels write through raw pointers; count the update as torch.optim's in-place ops do,
-  // so that autograd and whoever watches the parameters (apex::amp) see that they changed.
+  // so that autograd and whoever watches the parameters (apex::amp) see that they changed (the
+  // gradients too, when they were unscaled in place).
+  const bool grads_written = scaling.unscale_grads && scaling.inv_scale.defined();
   for (auto& group : param_groups_) {
     for (auto& p : group.params()) {
       if (p.grad().defined() && !p.is_inference()) p.unsafeGetTensorImpl()->bump_version();
+      if (grads_written && p.grad().defined() && !p.grad().is_inference()) {
+        p.grad().unsafeGetTensorImpl()->bump_version();
+      }
     }
   }
   return loss;

@@ -3,6 +3,8 @@
 #include <apex/serialize.h>
 #include <torch/serialize.h>
 
+#include <unistd.h>
+
 #include <filesystem>
 
 using apex::amp::Options;
@@ -109,7 +111,8 @@ TEST(AmpCheckpoint, StateDictHoldsScalersAndMasters) {
 // half tensors widened, so the file loads into an fp32 model; load_module narrows them back into
 // the half model exactly. Without a live handle the model is saved as it is.
 TEST(AmpCheckpoint, HalfModelSavesAsFp32AndLoadsBothWays) {
-  const auto dir = std::filesystem::temp_directory_path() / "apex_amp_half_model_test";
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("apex_amp_half_model_test_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   const std::string file = (dir / "model.pt").string();
   for (auto level : {OptLevel::O2, OptLevel::O3}) {

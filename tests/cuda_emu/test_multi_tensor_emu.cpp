@@ -579,6 +579,109 @@ TEST_P(MultiTensorEmu, FoundInfSkipsEveryOptimizer) {
   }
 }
 
+// AmpArgs::unscale_grads (GradScaler's contract, the kernel writes g * inv_scale back): every
+// optimizer, every storage, stepped and skipped. Against the same call without it: every other
+// list bit-identical (the update reads what it read before), the gradients exactly the fp32
+// product rounded to their dtype; skipped: only the gradients change; without inv_scale: nothing
+// is written.
+TEST_P(MultiTensorEmu, UnscaleGradsWritesTheUnscaledGradientsOnly) {
+  const std::vector<int64_t> n = numel();
+  Buffer v(kF32, static_cast<int64_t>(n.size()));
+  for (int64_t t = 0; t < v.size(); ++t) v.set(t, 0.5);
+  Scalar gnorm(3.0f);
+  const float inv_value = 0.375f;  // not a power of two: the product rounds
+  for (const Storage& st : kStorages) {
+    for (const bool skipped : {false, true}) {
+      for (const bool with_inv : {true, false}) {
+        SCOPED_TRACE(st.name() + (skipped ? " skipped" : " stepped") +
+                     (with_inv ? "" : " without inv_scale"));
+        Lists l5(n,
+                 pad({{st.p},
+                      {st.g, true, -4.0, 4.0},
+                      {kF32},
+                      {kF32, true, 0.0, 1.0},
+                      {kF32, st.master}}),
+                 50);
+        Lists l4(n,
+                 pad({{st.p}, {st.g, true, -4.0, 4.0}, {kF32, true, 0.0, 1.0}, {kF32, st.master}}),
+                 51);
+        Scalar inv(inv_value);
+        Scalar found(skipped ? 1.0f : 0.0f);
+        // Runs every optimizer on fresh clones, with or without the write-back.
+        const auto run = [&](bool unscale, Lists& a5, Lists& b4, Lists& c4, Lists& d4, Lists& e5) {
+          k::AmpArgs amp;
+          amp.inv_scale = with_inv ? inv.ptr() : nullptr;
+          amp.found_inf = found.ptr();
+          amp.unscale_grads = unscale;
+          k::AdamArgs adam;
+          adam.weight_decay = 0.01f;
+          adam.amp = amp;
+          k::cuda::adam(a5.view(), adam, nullptr);
+          k::SgdArgs sgd;
+          sgd.lr = 0.1f;
+          sgd.momentum = 0.9f;
+          sgd.amp = amp;
+          k::cuda::sgd(b4.view(), sgd, nullptr);
+          k::AdagradArgs adagrad;
+          adagrad.amp = amp;
+          k::cuda::adagrad(c4.view(), adagrad, nullptr);
+          k::NovoGradArgs novograd;
+          novograd.v = v.f32();
+          novograd.amp = amp;
+          k::cuda::novograd(d4.view(), novograd, nullptr);
+          Buffer su(kF32, static_cast<int64_t>(n.size()));
+          Buffer sp(kF32, static_cast<int64_t>(n.size()));
+          k::LambArgs lamb;
+          lamb.global_grad_norm = gnorm.ptr();
+          lamb.u_sumsq = su.f32();
+          lamb.p_sumsq = sp.f32();
+          lamb.amp = amp;
+          k::cuda::lamb_stage1(e5.view(), lamb, nullptr);
+          k::cuda::lamb_stage2(e5.view(), lamb, nullptr);
+        };
+        Lists a5 = l5.clone(), b4 = l4.clone(), c4 = l4.clone(), d4 = l4.clone(), e5 = l5.clone();
+        Lists A5 = l5.clone(), B4 = l4.clone(), C4 = l4.clone(), D4 = l4.clone(), E5 = l5.clone();
+        run(false, a5, b4, c4, d4, e5);
+        run(true, A5, B4, C4, D4, E5);
+        const auto check = [&](const char* name, const Lists& before, const Lists& plain,
+                               const Lists& written) {
+          SCOPED_TRACE(name);
+          for (int l = 0; l < k::kMaxLists; ++l) {
+            if (!before.present(l)) continue;
+            for (int64_t t = 0; t < before.tensors(); ++t) {
+              if (l != 1) {
+                EXPECT_TRUE(written.at(l, t).same_bits(plain.at(l, t)))
+                    << "list " << l << " tensor " << t << " differs with the write-back";
+                continue;
+              }
+              EXPECT_TRUE(plain.at(1, t).same_bits(before.at(1, t)))
+                  << "gradients written without unscale_grads, tensor " << t;
+              for (int64_t i = 0; i < before.numel(t); ++i) {
+                const double g = before.at(1, t).get(i);
+                const double want =
+                    with_inv
+                        ? round_to(st.g, static_cast<double>(static_cast<float>(g) * inv_value))
+                        : g;
+                ASSERT_EQ(written.at(1, t).get(i), want)
+                    << "tensor " << t << " element " << i << " (g " << g << ")";
+              }
+            }
+          }
+          EXPECT_TRUE(written.guards());
+        };
+        check("adam", l5, a5, A5);
+        check("sgd", l4, b4, B4);
+        check("adagrad", l4, c4, C4);
+        check("novograd", l4, d4, D4);
+        check("lamb", l5, e5, E5);
+        if (skipped) {
+          EXPECT_TRUE(a5.same_bits(l5)) << "a skipped step changed something";
+        }
+      }
+    }
+  }
+}
+
 TEST_P(MultiTensorEmu, Sgd) {
   struct Variant {
     float momentum;

@@ -15,12 +15,16 @@ namespace apex::optim {
 
 /// Loss-scaling inputs of one fused step (torch's `grad_scale`/`found_inf` protocol).
 struct GradScaling {
-  /// One-element fp32 tensor: gradients are multiplied by it inside the kernels (they are not
-  /// written). Undefined: gradients are used as they are.
+  /// One-element fp32 tensor: gradients are multiplied by it inside the kernels. Undefined:
+  /// gradients are used as they are.
   at::Tensor inv_scale;
   /// One-element fp32 tensor: when it holds a non-zero value the step changes nothing
   /// (parameters, moments, step counters). Undefined: never skip.
   at::Tensor found_inf;
+  /// Leave the gradients unscaled (g * inv_scale) after the step, written in the update's own
+  /// pass (and alone on a skipped step): torch's GradScaler contract, which GradScaler::step
+  /// asks for. Off: the gradients are only read.
+  bool unscale_grads = false;
 };
 
 /// Base of the fused multi-tensor optimizers. A step updates every parameter of a group in one

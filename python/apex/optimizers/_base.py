@@ -306,9 +306,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
         return tuple(t.to(device) if t is not None else None for t in scaling)
 
     @staticmethod
-    def _skip(found_inf):
-        """Whether an overflow skips this step (one host read, only with a loss scaler)."""
-        return found_inf is not None and bool(found_inf.item() != 0)
+    def _skip(found_inf, params=(), inv=None):
+        """Whether an overflow skips this step (one host read, only with a loss scaler). On a
+        skipped step under GradScaler (`inv` given) the gradients of `params` are unscaled all
+        the same: torch's contract is unscaled gradients after ``scaler.step``, stepped or not."""
+        if found_inf is None or not bool(found_inf.item() != 0):
+            return False
+        if inv is not None:
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(inv.to(p.grad.device))
+        return True
 
     def _noop(self, device):
         if self._dummy_overflow_buf.device != device:

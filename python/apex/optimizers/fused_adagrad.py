@@ -30,7 +30,7 @@ class FusedAdagrad(_FusedOptimizer):
         if not buckets:
             return
         inv, found_inf = self._on(scaling, group["params"][0].device)
-        if self._skip(found_inf):
+        if self._skip(found_inf, group["params"], inv):
             return
         for bucket in buckets:
             # The decayed lr depends on each parameter's step: one call per step value.
@@ -51,4 +51,4 @@ class FusedAdagrad(_FusedOptimizer):
                                          group["eps"], self.adagrad_w_mode == 1,
                                          group["weight_decay"],
                                          inv.to(params[0].device) if inv is not None else None,
-                                         None)
+                                         None, inv is not None)

@@ -128,7 +128,7 @@ class FusedAdam(_FusedOptimizer):
             lr_t = group["lr"] if torch.is_tensor(group["lr"]) else torch.tensor(
                 [group["lr"]], dtype=torch.float32, device=device)
         else:
-            if self._skip(found_inf):
+            if self._skip(found_inf, group["params"], inv_scale):
                 return
             found_inf = None
             group["step"] = group.get("step", 0) + 1
@@ -143,10 +143,10 @@ class FusedAdam(_FusedOptimizer):
                                       beta2, group["eps"], 1, self.adam_w_mode == 1,
                                       bool(group["bias_correction"]), group["weight_decay"],
                                       inv_scale, found_inf, lr_t.reshape(1).to(torch.float32),
-                                      step_t.reshape(1))
+                                      step_t.reshape(1), inv_scale is not None)
             else:
                 ops.multi_tensor_adam(noop, grads_of(params), params, m, v, masters,
                                       float(group["lr"]), beta1, beta2, group["eps"],
                                       int(group["step"]), self.adam_w_mode == 1,
                                       bool(group["bias_correction"]), group["weight_decay"],
-                                      inv_scale, None)
+                                      inv_scale, None, None, None, inv_scale is not None)

@@ -40,7 +40,7 @@ class FusedLAMB(_FusedOptimizer):
             return
         device0 = all_params[0].device
         inv0, found0 = self._on(scaling, device0)
-        if self._skip(found0):
+        if self._skip(found0, all_params, inv0):
             return
         # The global norm of the unscaled gradients, over every group and dtype.
         squares = []
@@ -70,7 +70,8 @@ class FusedLAMB(_FusedOptimizer):
                                       int(group["step"]), bool(group["bias_correction"]),
                                       group["weight_decay"], bool(group["grad_averaging"]),
                                       self.adam_w_mode == 1, global_norm.to(device),
-                                      group["max_grad_norm"], self.use_nvlamb, inv, None)
+                                      group["max_grad_norm"], self.use_nvlamb, inv, None,
+                                      inv is not None)
 
     @staticmethod
     def _advance(group):

@@ -32,7 +32,7 @@ class FusedNovoGrad(_FusedOptimizer):
         if not buckets:
             return
         inv, found_inf = self._on(scaling, group["params"][0].device)
-        if self._skip(found_inf):
+        if self._skip(found_inf, group["params"], inv):
             return
         group["step"] = group.get("step", 0) + 1
         beta1, beta2 = group["betas"]
@@ -63,6 +63,7 @@ class FusedNovoGrad(_FusedOptimizer):
                                       beta2, group["eps"], int(group["step"]),
                                       bool(group["bias_correction"]), group["weight_decay"],
                                       bool(group["grad_averaging"]), self.moment_mode == 0,
-                                      inv.to(device) if inv is not None else None, None)
+                                      inv.to(device) if inv is not None else None, None,
+                                      inv is not None)
             for i, p in enumerate(params):
                 self.state[p]["exp_avg_sq"] = v[i].clone()

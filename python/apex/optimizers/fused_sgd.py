@@ -49,7 +49,7 @@ class FusedSGD(_FusedOptimizer):
     def _step_group(self, group, scaling):
         device = group["params"][0].device
         inv_scale, found_inf = self._on(scaling, device)
-        if self._skip(found_inf):
+        if self._skip(found_inf, group["params"], inv_scale):
             return
         scale = 1.0 / self.most_recent_scale
         if inv_scale is not None:
@@ -70,4 +70,4 @@ class FusedSGD(_FusedOptimizer):
                 ops.multi_tensor_sgd(noop, grads_of(params), params, bufs, [], float(group["lr"]),
                                      momentum, group["dampening"], group["weight_decay"],
                                      bool(group["nesterov"]), first_run, self.wd_after_momentum,
-                                     scale)
+                                     scale, inv_scale is not None)

@@ -22,20 +22,25 @@ struct Span {
 
 struct AdamChunk {
   float inv, l2, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, step_size;
+  float unscale;  ///< != 0: g_in * unscale is written back into the gradients
 };
 struct SgdChunk {
   float inv, wd_before, wd_after, momentum, one_minus_dampening, lr;
   bool nesterov, first_run, has_momentum;
+  float unscale;  ///< != 0: g_in * unscale is written back into the gradients
 };
 struct AdagradChunk {
   float inv, l2, decay, lr, eps;
+  float unscale;  ///< != 0: g_in * unscale is written back into the gradients
 };
 struct LambChunk {
   float g_mul, l2, wd_update, beta1, beta3, beta2, one_minus_beta2, bc1, bc2, eps;
+  float unscale;  ///< != 0: g_in * unscale is written back into the gradients
 };
 struct NovoGradChunk {
   float inv, beta1, beta3, bc1, wd, lr, denom;
   bool reg_inside_moment;
+  float unscale;  ///< != 0: g_in * unscale is written back into the gradients
 };
 
 /// Distance in floats between the per-row scratch regions of the norm kernels: the row rounded up

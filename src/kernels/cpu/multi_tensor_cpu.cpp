@@ -135,8 +135,27 @@ bool any_chunk(const TensorLists& lists, const Fn& fn) {
   return false;
 }
 
-bool skipped(const AmpArgs& amp) { return amp.found_inf != nullptr && *amp.found_inf != 0.0f; }
 float inv_of(const AmpArgs& amp) { return amp.inv_scale != nullptr ? *amp.inv_scale : 1.0f; }
+// The factor the update writes the gradients back with (0: none).
+float unscale_of(const AmpArgs& amp) {
+  return amp.unscale_grads && amp.inv_scale != nullptr ? *amp.inv_scale : 0.0f;
+}
+
+// The AmpArgs skip: a non-finite gradient was found, so the optimizer changes nothing, but for
+// unscaling the gradients (list 1) when asked, as GradScaler's unscale_ would have.
+bool skipped(const TensorLists& lists, const AmpArgs& amp) {
+  if (amp.found_inf == nullptr || *amp.found_inf == 0.0f) return false;
+  const float unscale = unscale_of(amp);
+  if (unscale != 0.0f && lists.ptrs[1] != nullptr) {
+    TensorLists grads;
+    grads.num_tensors = lists.num_tensors;
+    grads.numel = lists.numel;
+    grads.ptrs[0] = grads.ptrs[1] = lists.ptrs[1];
+    grads.dtype[0] = grads.dtype[1] = lists.dtype[1];
+    any_chunk(grads, [&](const Span& sp) { return table().scale(sp, unscale); });
+  }
+  return true;
+}
 
 }  // namespace
 
@@ -197,13 +216,14 @@ void norm(const TensorLists& lists, const NormArgs& args) {
 }
 
 void adam(const TensorLists& lists, const AdamArgs& args) {
-  if (skipped(args.amp)) return;
+  if (skipped(lists, args.amp)) return;
   const double lr = args.lr_ptr != nullptr ? *args.lr_ptr : args.lr;
   const double step = args.step_ptr != nullptr ? *args.step_ptr : static_cast<double>(args.step);
   const double bc1 = args.bias_correction ? 1.0 - std::pow(double{args.beta1}, step) : 1.0;
   const double bc2 = args.bias_correction ? 1.0 - std::pow(double{args.beta2}, step) : 1.0;
   AdamChunk a{};
   a.inv = inv_of(args.amp);
+  a.unscale = unscale_of(args.amp);
   a.l2 = args.adam_w_mode ? 0.0f : args.weight_decay;
   a.decay = args.adam_w_mode ? static_cast<float>(1.0 - lr * args.weight_decay) : 1.0f;
   a.beta1 = args.beta1;
@@ -218,9 +238,10 @@ void adam(const TensorLists& lists, const AdamArgs& args) {
 }
 
 void sgd(const TensorLists& lists, const SgdArgs& args) {
-  if (skipped(args.amp)) return;
+  if (skipped(lists, args.amp)) return;
   SgdChunk a{};
   a.inv = inv_of(args.amp);
+  a.unscale = unscale_of(args.amp);
   a.wd_before = args.wd_after_momentum ? 0.0f : args.weight_decay;
   a.wd_after = args.wd_after_momentum ? args.weight_decay : 0.0f;
   a.momentum = args.momentum;
@@ -234,9 +255,10 @@ void sgd(const TensorLists& lists, const SgdArgs& args) {
 }
 
 void adagrad(const TensorLists& lists, const AdagradArgs& args) {
-  if (skipped(args.amp)) return;
+  if (skipped(lists, args.amp)) return;
   AdagradChunk a{};
   a.inv = inv_of(args.amp);
+  a.unscale = unscale_of(args.amp);
   a.l2 = args.adagrad_w_mode ? 0.0f : args.weight_decay;
   a.decay =
       args.adagrad_w_mode ? static_cast<float>(1.0 - double{args.lr} * args.weight_decay) : 1.0f;
@@ -253,6 +275,7 @@ LambChunk lamb_chunk_args(const LambArgs& args) {
   const float clip =
       (args.max_grad_norm > 0.0f && gnorm > args.max_grad_norm) ? gnorm / args.max_grad_norm : 1.0f;
   a.g_mul = inv_of(args.amp) / clip;
+  a.unscale = unscale_of(args.amp);
   a.l2 = args.adam_w_mode ? 0.0f : args.weight_decay;
   a.wd_update = args.adam_w_mode ? args.weight_decay : 0.0f;
   a.beta1 = args.beta1;
@@ -267,7 +290,7 @@ LambChunk lamb_chunk_args(const LambArgs& args) {
 }  // namespace
 
 void lamb_stage1(const TensorLists& lists, const LambArgs& args) {
-  if (skipped(args.amp)) return;
+  if (skipped(lists, args.amp)) return;
   const LambChunk a = lamb_chunk_args(args);
   const auto chunks = make_chunks(lists);
   std::vector<double> u(chunks.size(), 0.0);
@@ -287,7 +310,8 @@ void lamb_stage1(const TensorLists& lists, const LambArgs& args) {
 }
 
 void lamb_stage2(const TensorLists& lists, const LambArgs& args) {
-  if (skipped(args.amp)) return;
+  // (Stage 1 unscaled the gradients, skipped or not.)
+  if (args.amp.found_inf != nullptr && *args.amp.found_inf != 0.0f) return;
   const LambChunk a = lamb_chunk_args(args);
   const bool trust = args.use_nvlamb || args.weight_decay != 0.0f;
   std::vector<float> ratio(static_cast<size_t>(lists.num_tensors), args.lr);
@@ -303,9 +327,10 @@ void lamb_stage2(const TensorLists& lists, const LambArgs& args) {
 }
 
 void novograd(const TensorLists& lists, const NovoGradArgs& args) {
-  if (skipped(args.amp)) return;
+  if (skipped(lists, args.amp)) return;
   NovoGradChunk base{};
   base.inv = inv_of(args.amp);
+  base.unscale = unscale_of(args.amp);
   base.beta1 = args.beta1;
   base.beta3 = args.beta3;
   base.bc1 = args.bias_correction1;

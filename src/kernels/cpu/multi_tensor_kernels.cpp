@@ -140,10 +140,23 @@ float absmax_chunk(const Span& s, float mul) {
 
 // ---- optimizers -------------------------------------------------------------------------------
 
+// Gradient tile `g` (fp32 values of list 1 at `off`) written back as g * unscale.
+void write_unscaled(const Span& s, const float* __restrict g, int64_t off, int64_t n,
+                    float unscale) {
+  float u_buf[kTile];
+  float* __restrict u = u_buf;
+  for (int64_t i = 0; i < n; ++i) u[i] = g[i] * unscale;
+  store(s.t[1], u, at(s.p[1], s.t[1], off), n);
+}
+
 // The walk every optimizer shares: per tile, the parameter as fp32 (the master when present),
 // the gradient as fp32 (when `with_grad`), fn(p, g, offset, n), then the parameter written back.
+// With `unscale` != 0 the tile's gradient, still in L1, is written back as g * unscale after the
+// math read it (GradScaler's contract: gradients unscaled after the step), so the math and its
+// results are the same either way.
 template <class Fn>
-void for_each_param_tile(const Span& s, int master, bool with_grad, const Fn& fn) {
+void for_each_param_tile(const Span& s, int master, bool with_grad, const Fn& fn,
+                         float unscale = 0.0f) {
   ParamTile pt;
   float g_buf[kTile];
   for (int64_t off = 0; off < s.n; off += kTile) {
@@ -152,6 +165,7 @@ void for_each_param_tile(const Span& s, int master, bool with_grad, const Fn& fn
     const float* g = with_grad ? load(s.t[1], at(s.p[1], s.t[1], off), g_buf, n) : nullptr;
     fn(pt.p, g, off, n);
     pt.end(s, off, n);
+    if (with_grad && unscale != 0.0f) write_unscaled(s, g, off, n, unscale);
   }
 }
 
@@ -170,9 +184,12 @@ void adam_math(float* __restrict p, const float* __restrict g, float* __restrict
 }
 
 void adam_chunk(const Span& s, const AdamChunk& a) {
-  for_each_param_tile(s, 4, true, [&](float* p, const float* g, int64_t off, int64_t n) {
-    adam_math(p, g, fp32_list(s, 2, off), fp32_list(s, 3, off), n, a);
-  });
+  for_each_param_tile(
+      s, 4, true,
+      [&](float* p, const float* g, int64_t off, int64_t n) {
+        adam_math(p, g, fp32_list(s, 2, off), fp32_list(s, 3, off), n, a);
+      },
+      a.unscale);
 }
 
 // The common case (momentum buffer already seeded) in one loop: g, buf and p are each touched
@@ -206,16 +223,19 @@ void sgd_plain_math(float* __restrict p, const float* __restrict g, float* __res
 }
 
 void sgd_chunk(const Span& s, const SgdChunk& a) {
-  for_each_param_tile(s, 3, true, [&](float* p, const float* g, int64_t off, int64_t n) {
-    float* buf = a.has_momentum ? fp32_list(s, 2, off) : nullptr;
-    if (!a.has_momentum || a.first_run) {
-      sgd_plain_math(p, g, buf, n, a);
-    } else if (a.nesterov) {
-      sgd_momentum_math<true>(p, g, buf, n, a);
-    } else {
-      sgd_momentum_math<false>(p, g, buf, n, a);
-    }
-  });
+  for_each_param_tile(
+      s, 3, true,
+      [&](float* p, const float* g, int64_t off, int64_t n) {
+        float* buf = a.has_momentum ? fp32_list(s, 2, off) : nullptr;
+        if (!a.has_momentum || a.first_run) {
+          sgd_plain_math(p, g, buf, n, a);
+        } else if (a.nesterov) {
+          sgd_momentum_math<true>(p, g, buf, n, a);
+        } else {
+          sgd_momentum_math<false>(p, g, buf, n, a);
+        }
+      },
+      a.unscale);
 }
 
 void adagrad_math(float* __restrict p, const float* __restrict g, float* __restrict h, int64_t n,
@@ -230,9 +250,12 @@ void adagrad_math(float* __restrict p, const float* __restrict g, float* __restr
 }
 
 void adagrad_chunk(const Span& s, const AdagradChunk& a) {
-  for_each_param_tile(s, 3, true, [&](float* p, const float* g, int64_t off, int64_t n) {
-    adagrad_math(p, g, fp32_list(s, 2, off), n, a);
-  });
+  for_each_param_tile(
+      s, 3, true,
+      [&](float* p, const float* g, int64_t off, int64_t n) {
+        adagrad_math(p, g, fp32_list(s, 2, off), n, a);
+      },
+      a.unscale);
 }
 
 inline float lamb_update(float m, float v, float p, const LambChunk& a) {
@@ -254,12 +277,15 @@ void lamb_stage1_math(const float* __restrict p, const float* __restrict g, floa
 void lamb_stage1_chunk(const Span& s, const LambChunk& a, double* u_sumsq, double* p_sumsq) {
   double u_total = 0.0;
   double p_total = 0.0;
-  for_each_param_tile(s, 4, true, [&](float* p, const float* g, int64_t off, int64_t n) {
-    float u[kTile];
-    lamb_stage1_math(p, g, fp32_list(s, 2, off), fp32_list(s, 3, off), u, n, a);
-    u_total += lane_sumsq(u, n, 1.0f);
-    p_total += lane_sumsq(p, n, 1.0f);
-  });
+  for_each_param_tile(
+      s, 4, true,
+      [&](float* p, const float* g, int64_t off, int64_t n) {
+        float u[kTile];
+        lamb_stage1_math(p, g, fp32_list(s, 2, off), fp32_list(s, 3, off), u, n, a);
+        u_total += lane_sumsq(u, n, 1.0f);
+        p_total += lane_sumsq(p, n, 1.0f);
+      },
+      a.unscale);
   *u_sumsq = u_total;
   *p_sumsq = p_total;
 }
@@ -294,9 +320,12 @@ void novograd_math(float* __restrict p, const float* __restrict g, float* __rest
 }
 
 void novograd_chunk(const Span& s, const NovoGradChunk& a) {
-  for_each_param_tile(s, 3, true, [&](float* p, const float* g, int64_t off, int64_t n) {
-    novograd_math(p, g, fp32_list(s, 2, off), n, a);
-  });
+  for_each_param_tile(
+      s, 3, true,
+      [&](float* p, const float* g, int64_t off, int64_t n) {
+        novograd_math(p, g, fp32_list(s, 2, off), n, a);
+      },
+      a.unscale);
 }
 
 void from_float_values(const float* src, DType t, void* dst, int64_t n) { store(t, src, dst, n); }

@@ -58,6 +58,27 @@ __device__ __forceinline__ ListIo<T, true, true> in_out(const Chunk<D>& c, int l
   return {c.template ptr<T>(list)};
 }
 
+/// An optimizer's gradient list (1): read; stored back (what the math leaves in the lane: the
+/// unscaled gradient) only when `write` (AmpArgs::unscale_grads), so that without it the kernel
+/// moves exactly the bytes it did.
+template <typename TG>
+struct GradIo {
+  TG* ptr;
+  bool write;
+
+  __device__ __forceinline__ bool aligned() const { return detail::is_aligned(ptr); }
+  __device__ __forceinline__ void load(float (&r)[kILP], const Frame& f) const {
+    detail::load(r, ptr, f);
+  }
+  __device__ __forceinline__ void store(const float (&r)[kILP], const Frame& f) const {
+    if (write) detail::store(ptr, r, f);
+  }
+};
+template <typename TG, int D>
+__device__ __forceinline__ GradIo<TG> grad_io(const Chunk<D>& c, const AmpArgs& amp) {
+  return {c.template ptr<TG>(1), amp.unscale_grads && amp.inv_scale != nullptr};
+}
+
 /// The parameter of an optimizer (list 0) and its optional fp32 master (list `master_list`): the
 /// math reads the master when present, else the model param; with kWrite the result is stored
 /// to the master (when present) and, rounded, to the model param.
@@ -305,9 +326,18 @@ void norm_typed(const TensorLists& lists, const NormArgs& args, cudaStream_t str
 // ParamIo (list 0 and the master) and its gradient and state lists.
 // ---------------------------------------------------------------------------------------------
 
-/// The AmpArgs skip: a non-finite gradient was found, so the optimizer changes nothing.
-__device__ __forceinline__ bool skip_step(const AmpArgs& amp) {
-  return amp.found_inf != nullptr && *amp.found_inf != 0.0f;
+/// The AmpArgs skip: a non-finite gradient was found, so the optimizer changes nothing, but for
+/// unscaling the gradients when asked (as GradScaler's unscale_ would have).
+template <typename TG, int D>
+__device__ __forceinline__ bool skip_step(const AmpArgs& amp, const Chunk<D>& c) {
+  if (amp.found_inf == nullptr || *amp.found_inf == 0.0f) return false;
+  const GradIo<TG> g = grad_io<TG>(c, amp);
+  if (g.write) {
+    const float inv = *amp.inv_scale;
+    for_each_element(
+        c.n, [&](bool, float& x) { x = x * inv; }, g);
+  }
+  return true;
 }
 
 /// From args.lr and args.step, computed on the host in double like the CPU backend; the kernel
@@ -326,7 +356,7 @@ struct AdamOp {
   AdamHost h;
 
   __device__ void operator()(const Chunk<5>& c) const {
-    if (skip_step(s.amp)) return;
+    if (skip_step<TG>(s.amp, c)) return;
     float step_size = h.step_size;
     float bc2_sqrt = h.bc2_sqrt;
     float decay = h.decay;
@@ -348,6 +378,7 @@ struct AdamOp {
         c.n,
         [&](bool, float& p, float& g, float& m, float& v) {
           float gi = g * g_scale;
+          g = gi;  // stored back only under unscale_grads
           float pi = p;
           if (s.weight_decay != 0.0f) {
             if (s.adam_w_mode) {
@@ -361,7 +392,7 @@ struct AdamOp {
           // torch's addcdiv order: p - step_size * (m / denom)
           p = pi - step_size * (m / (sqrtf(v) / bc2_sqrt + s.eps));
         },
-        ParamIo<TP, true>(c, 4), in<TG>(c, 1), in_out<float>(c, 2), in_out<float>(c, 3));
+        ParamIo<TP, true>(c, 4), grad_io<TG>(c, s.amp), in_out<float>(c, 2), in_out<float>(c, 3));
   }
 };
 
@@ -370,9 +401,10 @@ struct SgdOp {
   SgdArgs s;
 
   __device__ void operator()(const Chunk<4>& c) const {
-    if (skip_step(s.amp)) return;
+    if (skip_step<TG>(s.amp, c)) return;
     const float g_scale = value_or(s.amp.inv_scale, 1.0f);
     const bool use_momentum = s.momentum != 0.0f;  // the buffer list is present then
+    const GradIo<TG> grad = grad_io<TG>(c, s.amp);
     // A frame loop of its own: through for_each_element the conditional buffer load made the
     // compiler emit different code for this op, so this loop keeps SGD's generated math as it was.
     const ParamIo<TP, true> param(c, 3);
@@ -389,6 +421,7 @@ struct SgdOp {
 #pragma unroll
       for (int i = 0; i < kILP; ++i) {
         float gi = rg[i] * g_scale;
+        rg[i] = gi;  // stored back only under unscale_grads
         const float pi = rp[i];
         if (s.weight_decay != 0.0f && !s.wd_after_momentum) gi = gi + s.weight_decay * pi;
         if (use_momentum) {
@@ -400,6 +433,7 @@ struct SgdOp {
       }
       param.store(rp, f);
       if (use_momentum) detail::store(buf, rb, f);
+      grad.store(rg, f);
     });
   }
 };
@@ -410,19 +444,20 @@ struct AdagradOp {
   float decay;  ///< 1 - lr*wd in w mode (computed in double on the host), else 1
 
   __device__ void operator()(const Chunk<4>& c) const {
-    if (skip_step(s.amp)) return;
+    if (skip_step<TG>(s.amp, c)) return;
     const float g_scale = value_or(s.amp.inv_scale, 1.0f);
     for_each_element(
         c.n,
         [&](bool, float& p, float& g, float& h) {
           float gi = g * g_scale;
+          g = gi;  // stored back only under unscale_grads
           const float pi = p;
           if (!s.adagrad_w_mode && s.weight_decay != 0.0f) gi = gi + s.weight_decay * pi;
           h = h + gi * gi;
           // w mode: p -= lr*wd*p folded into p*(1 - lr*wd)
           p = pi * decay - s.lr * (gi / (sqrtf(h) + s.eps));
         },
-        ParamIo<TP, true>(c, 3), in<TG>(c, 1), in_out<float>(c, 2));
+        ParamIo<TP, true>(c, 3), grad_io<TG>(c, s.amp), in_out<float>(c, 2));
   }
 };
 
@@ -441,18 +476,20 @@ struct LambStage1Op {
   LambArgs s;
 
   __device__ void operator()(const Chunk<5>& c) const {
-    if (skip_step(s.amp)) return;
+    if (skip_step<TG>(s.amp, c)) return;
     float clip = 1.0f;
     if (s.max_grad_norm > 0.0f && s.global_grad_norm != nullptr) {
       const float gnorm = *s.global_grad_norm;
       if (gnorm > s.max_grad_norm) clip = gnorm / s.max_grad_norm;
     }
-    const float g_mul = value_or(s.amp.inv_scale, 1.0f) / clip;
+    const float inv = value_or(s.amp.inv_scale, 1.0f);
+    const float g_mul = inv / clip;
     float sums[2] = {0.0f, 0.0f};  // u*u, p*p
     for_each_element(
         c.n,
         [&](bool live, float& p, float& g, float& m, float& v) {
           float gi = g * g_mul;
+          g = g * inv;  // unscaled, not clipped; stored back only under unscale_grads
           if (!s.adam_w_mode && s.weight_decay != 0.0f) gi = gi + s.weight_decay * p;
           m = s.beta1 * m + s.beta3 * gi;
           v = s.beta2 * v + (1.0f - s.beta2) * gi * gi;
@@ -462,7 +499,7 @@ struct LambStage1Op {
             sums[1] += p * p;
           }
         },
-        ParamIo<TP, false>(c, 4), in<TG>(c, 1), in_out<float>(c, 2), in_out<float>(c, 3));
+        ParamIo<TP, false>(c, 4), grad_io<TG>(c, s.amp), in_out<float>(c, 2), in_out<float>(c, 3));
     detail::block_reduce(sums, detail::SumOp{});
     if (threadIdx.x == 0) {
       atomicAdd(s.u_sumsq + c.tensor, sums[0]);
@@ -476,7 +513,8 @@ struct LambStage2Op {
   LambArgs s;
 
   __device__ void operator()(const Chunk<5>& c) const {
-    if (skip_step(s.amp)) return;
+    // (Stage 1 unscaled the gradients, skipped or not.)
+    if (s.amp.found_inf != nullptr && *s.amp.found_inf != 0.0f) return;
     const float p_norm = sqrtf(s.p_sumsq[c.tensor]);
     const float u_norm = sqrtf(s.u_sumsq[c.tensor]);
     const bool adapt = (s.use_nvlamb || s.weight_decay != 0.0f) && p_norm != 0.0f && u_norm != 0.0f;
@@ -493,13 +531,14 @@ struct NovoGradOp {
   NovoGradArgs s;
 
   __device__ void operator()(const Chunk<4>& c) const {
-    if (skip_step(s.amp)) return;
+    if (skip_step<TG>(s.amp, c)) return;
     const float d = s.v[c.tensor] / s.bias_correction2 + s.eps;
     const float g_scale = value_or(s.amp.inv_scale, 1.0f);
     for_each_element(
         c.n,
         [&](bool, float& p, float& g, float& m) {
           float gi = g * g_scale;
+          g = gi;  // stored back only under unscale_grads
           const float pi = p;
           if (s.reg_inside_moment) {
             gi = gi / d;
@@ -513,7 +552,7 @@ struct NovoGradOp {
             p = pi - s.lr * update;
           }
         },
-        ParamIo<TP, true>(c, 3), in<TG>(c, 1), in_out<float>(c, 2));
+        ParamIo<TP, true>(c, 3), grad_io<TG>(c, s.amp), in_out<float>(c, 2));
   }
 };
 
