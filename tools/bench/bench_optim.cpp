@@ -1,5 +1,6 @@
 // apex-bench optim: one optimizer step over parameter lists shaped like ResNet-50 and BERT-base,
 // ours against LibTorch's C++ optimizers and ATen's fused kernels, in the same run.
+#include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_foreach_copy.h>
 #include <ATen/ops/_fused_adamw.h>
@@ -177,6 +178,49 @@ void bench_model(const Config& cfg, const std::string& name, const Shapes& shape
     const auto ms = interleaved_ms(
         cfg, {[&] { ours.step(); }, [&] { peer.step(); }, [&] { aten(); }, [&] { stream(); }});
     add_rows("FusedAdam", 28 * n, ms, {"torch::optim::AdamW", "at::_fused_adamw_"});
+  }
+  {  // Under a GradScaler (scale 1, so that repeated steps keep their values): the step unscales
+     // inside the kernel and leaves p.grad unscaled, writing it back in the same pass (torch's
+     // contract; 32 bytes per parameter), against the same step that only reads the gradients
+     // (what it did before: 28 bytes), ATen's fused AdamW given the scale (torch's fused AdamW
+     // under GradScaler: it writes the gradients back too), and the unfused route: GradScaler's
+     // unscale pass (read and write g), then ATen's fused AdamW.
+    const auto f32 = torch::TensorOptions().dtype(at::kFloat).device(cfg.device);
+    const at::Tensor inv = torch::ones({1}, f32);
+    const at::Tensor found = torch::zeros({1}, f32);
+    auto p1 = make_params(cfg, shapes);
+    apex::optim::FusedAdam ours(p1, apex::optim::FusedAdamOptions(1e-3).weight_decay(0.01));
+    auto p2 = make_params(cfg, shapes);
+    apex::optim::FusedAdam read_only(p2, apex::optim::FusedAdamOptions(1e-3).weight_decay(0.01));
+    auto p3 = make_params(cfg, shapes);
+    AtenAdamW aten{detached(p3), grads_of(p3), zeros_like_all(p3), zeros_like_all(p3), {}};
+    for (size_t i = 0; i < p3.size(); ++i) {
+      aten.steps.push_back(torch::zeros({}, torch::TensorOptions().device(cfg.device)));
+    }
+    at::Tensor aten_found = torch::zeros({1}, f32);
+    const at::Tensor aten_scale = torch::ones({}, f32);
+    const auto ms = interleaved_ms(
+        cfg, {[&] {
+                ours.step(apex::optim::GradScaling{inv, found, true});
+              },
+              [&] {
+                read_only.step(apex::optim::GradScaling{inv, found, false});
+              },
+              [&] {
+                // torch.optim.AdamW(fused=True) under GradScaler: the kernel unscales and
+                // writes the gradients back, as ours does.
+                at::_foreach_add_(aten.steps, 1);
+                at::_fused_adamw_(aten.params, aten.grads, aten.m, aten.v, {}, aten.steps, 1e-3,
+                                  0.9, 0.999, 0.01, 1e-8, false, false, aten_scale, aten_found);
+              },
+              [&] {
+                at::_amp_foreach_non_finite_check_and_unscale_(aten.grads, aten_found, inv);
+                aten();
+              },
+              [&] { stream(); }});
+    add_rows("FusedAdam under GradScaler", 32 * n, ms,
+             {"the same, grads only read (before)", "at::_fused_adamw_(grad_scale)",
+              "unscale_ + at::_fused_adamw_"});
   }
   {  // bf16 model, fp32 masters (AMP O2 style): ours updates the master and writes the bf16
      // parameter in one pass (read g 2, master/m/v 12; write master/m/v 12, param 2 = 28 B).

@@ -141,8 +141,12 @@ float absmax_chunk(const Span& s, float mul) {
 // ---- optimizers -------------------------------------------------------------------------------
 
 // Gradient tile `g` (fp32 values of list 1 at `off`) written back as g * unscale.
-void write_unscaled(const Span& s, const float* __restrict g, int64_t off, int64_t n,
-                    float unscale) {
+void write_unscaled(const Span& s, const float* g, int64_t off, int64_t n, float unscale) {
+  if (s.t[1] == DType::kFloat32) {  // `g` is the gradient's own memory: in place
+    float* __restrict gp = fp32_list(s, 1, off);
+    for (int64_t i = 0; i < n; ++i) gp[i] *= unscale;
+    return;
+  }
   float u_buf[kTile];
   float* __restrict u = u_buf;
   for (int64_t i = 0; i < n; ++i) u[i] = g[i] * unscale;
