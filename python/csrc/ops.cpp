@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "bridge/bridge.h"
+#include "common/environment.h"
 #include "kernel_args.h"
 #include "kernels/multi_tensor.h"
 #include "normalization/ops.h"
@@ -458,10 +459,7 @@ bool eager_call(const Tensor& input, const std::optional<Tensor>& weight,
        c10::DispatchKey::FuncTorchDynamicLayerBackMode});
   // APEX_NORM_EAGER_AUTOGRAD=0: every call takes the traceable route (compiled autograd over
   // eager code needs it; ~6 us slower per forward + backward).
-  static const bool enabled = [] {
-    const char* v = std::getenv("APEX_NORM_EAGER_AUTOGRAD");
-    return v == nullptr || std::string(v) != "0";
-  }();
+  static const bool enabled = !apex::detail::env_is("APEX_NORM_EAGER_AUTOGRAD", "0");
   if (!enabled) return false;
   if (c10::impl::tls_local_dispatch_key_set().included_.has_any(kTraced)) return false;
   // Strided memory the kernels can read as it is: no lazy negation or conjugation, no

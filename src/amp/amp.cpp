@@ -24,6 +24,7 @@
 #include <string_view>
 #include <unordered_map>
 #include <unordered_set>
+#include "common/environment.h"
 
 namespace apex::amp {
 namespace detail {
@@ -137,8 +138,8 @@ AmpState::~AmpState() {
 
 bool AmpState::log_rank() const {
   if (verbosity >= 2) return true;
-  const char* rank = std::getenv("RANK");
-  return rank == nullptr || *rank == '\0' || std::string_view(rank) == "0";
+  const std::optional<std::string> rank = apex::detail::env("RANK");
+  return !rank || *rank == "0";
 }
 
 void AmpState::rethrow_deferred() {

@@ -38,6 +38,7 @@
 #include "amp/cpu_half_conv1d.h"
 #include "amp/quiet_registration.h"
 #include "bridge/bridge.h"
+#include "common/environment.h"
 #include "kernels/activation.h"
 #include "kernels/attention.h"
 #include "kernels/gemm.h"
@@ -60,11 +61,7 @@ thread_local uint64_t route_calls = 0;  // calls the route took in this thread (
 thread_local uint64_t gemm_calls = 0;   // of them, apex's own product (tests)
 std::atomic<int> forced{-1};  // -1: decide; 0 nothing, 1 everything, 2 attention only (tests)
 
-// Whether the environment variable `name` is set to `value`.
-bool env_is(const char* name, const char* value) {
-  const char* env = std::getenv(name);
-  return env != nullptr && std::strcmp(env, value) == 0;
-}
+using apex::detail::env_is;
 
 bool is_half(const at::Tensor& t) {
   return t.defined() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf);
@@ -616,9 +613,11 @@ kernels::cpu::HalfAttention attention_of(const at::Tensor& q, const at::Tensor& 
 // neither APEX_CPU_HALF_FALLBACK=0 nor APEX_CPU_HALF_ATTENTION=0 is set.
 // This process's decision: from cpuid and the environment, once.
 const detail::CpuHalfDecision& decision() {
+  static const std::optional<std::string> fallback = apex::detail::env("APEX_CPU_HALF_FALLBACK");
+  static const std::optional<std::string> attention = apex::detail::env("APEX_CPU_HALF_ATTENTION");
   static const detail::CpuHalfDecision d = detail::decide_cpu_half(
       cpu_half_support(), own_gemm() && kernels::cpu::half_attention_available(),
-      std::getenv("APEX_CPU_HALF_FALLBACK"), std::getenv("APEX_CPU_HALF_ATTENTION"));
+      fallback ? fallback->c_str() : nullptr, attention ? attention->c_str() : nullptr);
   return d;
 }
 

@@ -22,6 +22,10 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <string>
+
+#include "common/environment.h"
 
 namespace apex::amp {
 namespace {
@@ -103,24 +107,24 @@ CpuHalfSupport detect() { return {}; }
 #endif
 
 // The variable oneDNN reads its ISA limit from, as it does: ONEDNN_MAX_CPU_ISA, else the older
-// DNNL_MAX_CPU_ISA (an empty one as unset); value null where neither is set.
+// DNNL_MAX_CPU_ISA (an empty one as unset); no value where neither is set.
 struct OnednnLimitEnv {
   const char* name;
-  const char* value;
+  std::optional<std::string> value;
 };
 OnednnLimitEnv onednn_limit_env() {
   for (const char* name : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"}) {
-    const char* value = std::getenv(name);
-    if (value != nullptr && *value != '\0') return {name, value};
+    std::optional<std::string> value = apex::detail::env(name);
+    if (value) return {name, std::move(value)};
   }
-  return {"ONEDNN_MAX_CPU_ISA", nullptr};
+  return {"ONEDNN_MAX_CPU_ISA", std::nullopt};
 }
 
 // A name oneDNN does not know leaves it unlimited.
 OnednnIsa onednn_limit_from_env() {
   const OnednnLimitEnv env = onednn_limit_env();
-  if (env.value == nullptr) return OnednnIsa::kAll;
-  return onednn_isa_from_name(env.value).value_or(OnednnIsa::kAll);
+  if (!env.value) return OnednnIsa::kAll;
+  return onednn_isa_from_name(*env.value).value_or(OnednnIsa::kAll);
 }
 
 }  // namespace
@@ -232,7 +236,7 @@ std::string cpu_half_matmul_slow_reason(c10::ScalarType dtype) {
   unlimited.onednn_max_isa = OnednnIsa::kAll;
   if (cpu_half_matmul_kind(dtype, unlimited) != kind) {
     const OnednnLimitEnv env = onednn_limit_env();
-    return how + " here: " + env.name + "=" + (env.value != nullptr ? env.value : "") +
+    return how + " here: " + env.name + "=" + env.value.value_or("") +
            " keeps oneDNN from this CPU's instructions for them";
   }
   if (kind == CpuHalfMatmul::kEmulated) return how + " on this CPU (AVX-512 without AVX512-BF16)";

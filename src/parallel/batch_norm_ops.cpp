@@ -7,6 +7,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -24,13 +25,9 @@ at::Tensor channel_values(const at::Tensor& t, int64_t c, const char* who, const
 // Sums in float64 as the CPU kernels' (a float64 copy of the input for the reductions); results
 // that the collectives carry ([2C+1] and [2C]) come back on the CPU, as the CPU route's.
 
-bool use_aten(const at::Tensor& x) {
-  static const bool forced = [] {
-    const char* v = std::getenv("APEX_SYNC_BN_ATEN");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
-  return !x.is_cpu() || forced;
-}
+std::atomic<bool> aten_forced{false};  // tests: force_sync_batch_norm_aten
+
+bool use_aten(const at::Tensor& x) { return !x.is_cpu() || aten_forced.load(); }
 
 // Every dimension but the channels'.
 std::vector<int64_t> reduce_dims(const at::Tensor& x) {
@@ -168,5 +165,7 @@ at::Tensor batch_norm_backward_reduce(const char* who, const at::Tensor& grad_ou
   kernels::cpu::batch_norm_backward_reduce(r);
   return sums;
 }
+
+void force_sync_batch_norm_aten(bool on) { aten_forced.store(on); }
 
 }  // namespace apex::parallel::detail

@@ -3,8 +3,8 @@
 // Internal: SyncBatchNorm's per-rank pieces on the CPU kernels (kernels/batch_norm.h), tensors in
 // and out, for the two front doors that run the collectives between them: the C++ SyncBatchNorm
 // (sync_batch_norm.cpp) and the Python package's ops (python/csrc/ops.cpp). CUDA input takes a
-// route through ATen ops (float64 sums), which APEX_SYNC_BN_ATEN=1 forces for CPU input too (the
-// tests check it there). Statistics and sums come back on the CPU either way.
+// route through ATen ops (float64 sums), which detail::force_sync_batch_norm_aten forces for CPU
+// input too (the tests check it there). Statistics and sums come back on the CPU either way.
 
 #include <ATen/core/Tensor.h>
 

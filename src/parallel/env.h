@@ -7,18 +7,14 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include "common/environment.h"
 
 namespace apex::parallel::detail {
 
 /// The largest world size apex's groups and samplers accept (as init_process_group's checks).
 inline constexpr int64_t kMaxWorld = 1 << 20;
 
-/// $name, or nullopt when unset or empty.
-inline std::optional<std::string> env(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  return std::string(v);
-}
+using apex::detail::env;  // $name, or nullopt when unset or empty
 
 /// A whole decimal integer in [lo, hi], or a one-line error "`who`: `what` must be ...".
 inline int64_t parse_int(const std::string& text, const char* who, const char* what, int64_t lo,

@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <cstdlib>
+#include "common/environment.h"
 
 namespace apex::parallel::detail {
 
@@ -18,9 +19,8 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
                                                     std::chrono::milliseconds timeout,
                                                     const std::string& hostname) {
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-  const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
-  if (ifname != nullptr && *ifname != '\0') {
-    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  if (const auto ifname = apex::detail::env("GLOO_SOCKET_IFNAME")) {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(*ifname));
   } else if (!hostname.empty()) {
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
   } else {

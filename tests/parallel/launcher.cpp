@@ -2,6 +2,8 @@
 
 #include "train/net.h"
 
+#include <apex/parallel/sync_batch_norm.h>
+
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -148,6 +150,10 @@ int run_worker_from_env() {
     return 100;
   }
   const char* arg = std::getenv("APEX_TEST_ARG");
+  // The ctest entry SyncBatchNorm.AtenRoute: every worker on the device-generic route.
+  if (const char* aten = std::getenv("APEX_TEST_SYNC_BN_ATEN"); aten && *aten == '1') {
+    apex::parallel::detail::force_sync_batch_norm_aten(true);
+  }
   try {
     return it->second(std::atoi(std::getenv("RANK")), std::atoi(std::getenv("WORLD_SIZE")),
                       arg != nullptr ? arg : "");

@@ -74,4 +74,10 @@ std::shared_ptr<torch::nn::Module> convert_sync_batchnorm(
 torch::nn::Sequential convert_sync_batchnorm(const torch::nn::Sequential& module,
                                              ProcessGroup group = default_process_group());
 
+namespace detail {
+/// Tests only: CPU input takes the device-generic route (ATen ops, what CUDA input takes) instead
+/// of the CPU kernels, so that the route CUDA runs is tested on the CPU.
+void force_sync_batch_norm_aten(bool on);
+}  // namespace detail
+
 }  // namespace apex::parallel

@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/environment.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/parallel.h"
 
@@ -39,8 +40,8 @@ CpuKernels select_kernels() {
   const IsaEntry entries[] = {APEX_FOR_EACH_CPU_ISA(APEX_ISA_ENTRY)};
 #undef APEX_ISA_ENTRY
   const size_t count = std::size(entries);
-  const char* forced = std::getenv("APEX_CPU_ISA");
-  const std::string_view want = forced != nullptr ? forced : "";
+  const std::string forced = apex::detail::env("APEX_CPU_ISA").value_or("");
+  const std::string_view want = forced;
   size_t top = count - 1;
   if (!want.empty()) {
     size_t i = 0;
@@ -48,8 +49,8 @@ CpuKernels select_kernels() {
     if (i == count) {
       std::string names;
       for (const auto& e : entries) names += (names.empty() ? "" : ", ") + std::string(e.name);
-      std::fprintf(stderr, "apex-cpp: ignoring APEX_CPU_ISA=%s (expected one of %s)\n", forced,
-                   names.c_str());
+      std::fprintf(stderr, "apex-cpp: ignoring APEX_CPU_ISA=%s (expected one of %s)\n",
+                   forced.c_str(), names.c_str());
     } else {
       top = i;
     }
@@ -57,7 +58,7 @@ CpuKernels select_kernels() {
   size_t pick = top;
   while (!entries[pick].runs) --pick;
   if (!want.empty() && pick != top && entries[top].name == want) {
-    std::fprintf(stderr, "apex-cpp: this CPU lacks APEX_CPU_ISA=%s; using %s\n", forced,
+    std::fprintf(stderr, "apex-cpp: this CPU lacks APEX_CPU_ISA=%s; using %s\n", forced.c_str(),
                  std::string(entries[pick].name).c_str());
   }
   return entries[pick].kernels;
