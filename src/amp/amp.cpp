@@ -1,10 +1,10 @@
 #include <apex/amp/initialize.h>
 #include <apex/amp/utils.h>
-#include <apex/parallel/no_sync_count.h>
 
 #include "amp/half_model_check.h"
 #include "amp/unscale.h"
 #include "common/io.h"
+#include "common/no_sync.h"
 
 #include <ATen/ops/_foreach_copy.h>
 #include <ATen/ops/cat.h>
@@ -716,11 +716,10 @@ ScaledLoss Amp::scale_loss(const at::Tensor& loss, int64_t loss_id,
   // for the next synchronised backward to reduce. Unscaling here would stash them before that
   // backward and add them back after it, never reduced (ranks drift apart, and an overflow in
   // them would skip the step on one rank only).
-  TORCH_CHECK(
-      st.fast_path || options.delay_unscale() || parallel::detail::active_no_sync_guards == 0,
-      "Amp::scale_loss: inside apex::parallel::NoSyncGuard (gradient accumulation without "
-      "all-reduce) use ScaleLossOptions().delay_unscale(true), so that the accumulated "
-      "gradients stay scaled in place for the next synchronised backward to reduce");
+  TORCH_CHECK(st.fast_path || options.delay_unscale() || apex::detail::open_no_sync_scopes() == 0,
+              "Amp::scale_loss: inside apex::parallel::NoSyncGuard (gradient accumulation without "
+              "all-reduce) use ScaleLossOptions().delay_unscale(true), so that the accumulated "
+              "gradients stay scaled in place for the next synchronised backward to reduce");
   const auto targets = st.targets_of(options);
   st.sync_all();
   // This scaler's scale must reflect every earlier iteration before it is used again.

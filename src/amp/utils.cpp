@@ -1,5 +1,5 @@
 #include <apex/amp/utils.h>
-#include <apex/parallel/sync_batch_norm.h>
+#include <apex/detail/affine_batch_norm.h>
 
 #include <ATen/ops/linspace.h>
 #include <ATen/ops/matmul.h>
@@ -262,8 +262,9 @@ double cpu_half_matmul_speed(c10::ScalarType dtype) {
 }
 
 bool is_affine_batchnorm(const torch::nn::Module& module) {
-  return affine_bn_as<torch::nn::BatchNorm1dImpl>(module) ||
-         affine_bn_as<apex::parallel::SyncBatchNormImpl>(module) ||
+  const auto* other = dynamic_cast<const apex::detail::AffineBatchNorm*>(&module);
+  return (other != nullptr && other->is_affine_batch_norm()) ||
+         affine_bn_as<torch::nn::BatchNorm1dImpl>(module) ||
          affine_bn_as<torch::nn::BatchNorm2dImpl>(module) ||
          affine_bn_as<torch::nn::BatchNorm3dImpl>(module);
 }

@@ -15,6 +15,7 @@
 #include <string>
 #include <unordered_set>
 
+#include "common/no_sync.h"
 #include "parallel/errors.h"
 
 namespace apex::parallel::detail {
@@ -409,3 +410,18 @@ std::vector<std::vector<size_t>> DdpEngine::bucket_indices() const {
 }
 
 }  // namespace apex::parallel::detail
+
+namespace apex::parallel {
+
+NoSyncGuard::NoSyncGuard(detail::DdpEngine& engine)
+    : engine_(engine), previous_(engine.require_backward_grad_sync) {
+  engine_.require_backward_grad_sync = false;
+  ++apex::detail::open_no_sync_scopes();
+}
+
+NoSyncGuard::~NoSyncGuard() {
+  engine_.require_backward_grad_sync = previous_;
+  --apex::detail::open_no_sync_scopes();
+}
+
+}  // namespace apex::parallel

@@ -484,6 +484,17 @@ const RegisterWorker r_fault("fault", fault);
   return ::testing::AssertionSuccess();
 }
 
+// The fault worker `arg` in `ranks` (all of the world's when empty) of a world of `world`.
+std::vector<apex::test::RankResult> launch_fault(const std::string& arg, std::vector<int> ranks,
+                                                 int world = 2) {
+  LaunchOptions o;
+  o.world = world;
+  o.arg = arg;
+  o.ranks = std::move(ranks);
+  o.deadline_s = 60;
+  return launch("fault", o);
+}
+
 void equivalence(int world, const std::string& arg) {
   LaunchOptions o;
   o.world = world;
@@ -561,11 +572,7 @@ TEST(DdpFaults, SkippedBackwardFailsBothRanks) {
   EXPECT_TRUE(all_ranks_passed(launch("fault", o)));
 }
 TEST(DdpFaults, UnreachableStore) {
-  LaunchOptions o;
-  o.arg = "no_store";
-  o.ranks = {1};
-  o.deadline_s = 60;
-  const auto r = launch("fault", o);
+  const auto r = launch_fault("no_store", {1});
   EXPECT_TRUE(all_ranks_passed(r));
   // Within the timeout (4 s) and a few seconds (before: twice the timeout, c10d retries once),
   // and quiet: one error line, not c10d's retry log with its backtraces.
@@ -573,32 +580,19 @@ TEST(DdpFaults, UnreachableStore) {
   EXPECT_EQ(r[0].output.find("frame #"), std::string::npos) << apex::test::describe(r);
 }
 TEST(DdpFaults, WorldThatNeverFills) {
-  LaunchOptions o;
-  o.arg = "never_fills";
-  o.ranks = {0};
-  o.deadline_s = 60;
-  const auto r = launch("fault", o);
+  const auto r = launch_fault("never_fills", {0});
   EXPECT_TRUE(all_ranks_passed(r));
   EXPECT_LT(r[0].seconds, 4 + 5) << apex::test::describe(r);
 }
 
 TEST(DdpFaults, SilentStoreEndsWithinTheTimeout) {
   // Before: a listener that accepts and never answers kept the rank waiting without end.
-  LaunchOptions o;
-  o.arg = "silent_store";
-  o.ranks = {1};
-  o.deadline_s = 60;
-  const auto r = launch("fault", o);
+  const auto r = launch_fault("silent_store", {1});
   EXPECT_TRUE(all_ranks_passed(r));
   EXPECT_LT(r[0].seconds, 4 + 5) << apex::test::describe(r);
 }
 TEST(DdpFaults, DuplicateRankIsNamed) {
-  LaunchOptions o;
-  o.world = 3;
-  o.arg = "duplicate_rank";
-  o.ranks = {0, 1, 1};
-  o.deadline_s = 60;
-  const auto r = launch("fault", o);
+  const auto r = launch_fault("duplicate_rank", {0, 1, 1}, 3);
   EXPECT_TRUE(all_ranks_passed(r));
   bool named = false;
   for (const auto& x : r) {

@@ -148,6 +148,16 @@ std::vector<at::Tensor> detached(const std::vector<at::Tensor>& params) {
   return out;
 }
 
+// ATen's fused AdamW over `params` (their data and gradients), its moments and step counters new.
+AtenAdamW aten_adamw(const Config& cfg, const std::vector<at::Tensor>& params) {
+  AtenAdamW a{
+      detached(params), grads_of(params), zeros_like_all(params), zeros_like_all(params), {}};
+  for (size_t i = 0; i < params.size(); ++i) {
+    a.steps.push_back(torch::zeros({}, torch::TensorOptions().device(cfg.device)));
+  }
+  return a;
+}
+
 void bench_model(const Config& cfg, const std::string& name, const Shapes& shapes,
                  std::vector<Row>& rows) {
   const int64_t count = numel(shapes);
@@ -171,10 +181,7 @@ void bench_model(const Config& cfg, const std::string& name, const Shapes& shape
     auto p2 = make_params(cfg, shapes);
     torch::optim::AdamW peer(p2, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
     auto p3 = make_params(cfg, shapes);
-    AtenAdamW aten{detached(p3), grads_of(p3), zeros_like_all(p3), zeros_like_all(p3), {}};
-    for (size_t i = 0; i < p3.size(); ++i) {
-      aten.steps.push_back(torch::zeros({}, torch::TensorOptions().device(cfg.device)));
-    }
+    AtenAdamW aten = aten_adamw(cfg, p3);
     const auto ms = interleaved_ms(
         cfg, {[&] { ours.step(); }, [&] { peer.step(); }, [&] { aten(); }, [&] { stream(); }});
     add_rows("FusedAdam", 28 * n, ms, {"torch::optim::AdamW", "at::_fused_adamw_"});
@@ -193,10 +200,7 @@ void bench_model(const Config& cfg, const std::string& name, const Shapes& shape
     auto p2 = make_params(cfg, shapes);
     apex::optim::FusedAdam read_only(p2, apex::optim::FusedAdamOptions(1e-3).weight_decay(0.01));
     auto p3 = make_params(cfg, shapes);
-    AtenAdamW aten{detached(p3), grads_of(p3), zeros_like_all(p3), zeros_like_all(p3), {}};
-    for (size_t i = 0; i < p3.size(); ++i) {
-      aten.steps.push_back(torch::zeros({}, torch::TensorOptions().device(cfg.device)));
-    }
+    AtenAdamW aten = aten_adamw(cfg, p3);
     at::Tensor aten_found = torch::zeros({1}, f32);
     const at::Tensor aten_scale = torch::ones({}, f32);
     const auto ms = interleaved_ms(
@@ -240,10 +244,7 @@ void bench_model(const Config& cfg, const std::string& name, const Shapes& shape
       model.push_back(p.detach().to(at::kBFloat16));
       model_grads.push_back(p.grad().to(at::kBFloat16));
     }
-    AtenAdamW aten{detached(p3), grads_of(p3), zeros_like_all(p3), zeros_like_all(p3), {}};
-    for (size_t i = 0; i < p3.size(); ++i) {
-      aten.steps.push_back(torch::zeros({}, torch::TensorOptions().device(cfg.device)));
-    }
+    AtenAdamW aten = aten_adamw(cfg, p3);
     const auto ms = interleaved_ms(cfg, {[&] { ours.step(); },
                                          [&] {
                                            at::_foreach_copy_(aten.grads, model_grads);

@@ -4,7 +4,6 @@
 // Python's DDP): gradients all-reduced in buckets launched from autograd hooks while backward
 // still runs.
 
-#include <apex/parallel/no_sync_count.h>
 #include <apex/parallel/process_group.h>
 #include <torch/arg.h>
 #include <torch/nn/module.h>
@@ -228,15 +227,8 @@ class NoSyncGuard {
   explicit NoSyncGuard(DistributedDataParallel<Holder>& ddp) : NoSyncGuard(ddp->engine()) {}
   template <typename Holder>
   explicit NoSyncGuard(DistributedDataParallelImpl<Holder>& ddp) : NoSyncGuard(ddp.engine()) {}
-  explicit NoSyncGuard(detail::DdpEngine& engine)
-      : engine_(engine), previous_(engine.require_backward_grad_sync) {
-    engine_.require_backward_grad_sync = false;
-    ++detail::active_no_sync_guards;
-  }
-  ~NoSyncGuard() {
-    engine_.require_backward_grad_sync = previous_;
-    --detail::active_no_sync_guards;
-  }
+  explicit NoSyncGuard(detail::DdpEngine& engine);
+  ~NoSyncGuard();
   NoSyncGuard(const NoSyncGuard&) = delete;
   NoSyncGuard& operator=(const NoSyncGuard&) = delete;
 

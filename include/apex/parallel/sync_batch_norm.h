@@ -3,6 +3,7 @@
 // SyncBatchNorm: BatchNorm whose training statistics are those of the batch of every rank
 // together. On the CPU (which PyTorch refuses) through apex-cpp's own fused kernels.
 
+#include <apex/detail/affine_batch_norm.h>
 #include <apex/parallel/process_group.h>
 #include <torch/nn/cloneable.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -34,7 +35,8 @@ struct SyncBatchNormState {
   at::Tensor num_batches_tracked;
 };
 
-class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
+class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl>,
+                          public apex::detail::AffineBatchNorm {
  public:
   explicit SyncBatchNormImpl(const torch::nn::BatchNormOptions& options,
                              ProcessGroup group = default_process_group(),
@@ -46,6 +48,7 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
   void reset_running_stats();
   void reset_parameters();
   void pretty_print(std::ostream& stream) const override;
+  bool is_affine_batch_norm() const override { return options.affine(); }
 
   at::Tensor forward(const at::Tensor& input);
 

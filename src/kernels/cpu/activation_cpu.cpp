@@ -2,8 +2,8 @@
 // first use, and contiguous ranges in parallel on ATen's thread pool, each by the lookup kernels
 // of the best instruction set (kernels/cpu/isa.h). Elementwise: the result does not depend on the
 // split.
-#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include "kernels/cpu/parallel.h"
 
 #include <xmmintrin.h>
 #include <array>
@@ -122,15 +122,14 @@ uint16_t* at16(void* p, int64_t i) { return static_cast<uint16_t*>(p) + i; }
 void apply(const void* x, void* y, DType t, int64_t n, Fn fn) {
   const Tables& tb = tables_of(t, fn);
   const auto* k = cpu_kernels().lookup;
-  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
-    k->map16(at16(x, b), at16(y, b), e - b, tb.y.data());
-  });
+  parallel_for(0, n, kGrain,
+               [&](int64_t b, int64_t e) { k->map16(at16(x, b), at16(y, b), e - b, tb.y.data()); });
 }
 
 void apply_backward(const void* g, const void* x, void* dx, DType t, int64_t n, Fn fn) {
   const Tables& tb = tables_of(t, fn);
   const auto* k = cpu_kernels().lookup;
-  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+  parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
     k->scale16(at16(g, b), at16(x, b), at16(dx, b), e - b, tb.dy.data(), t);
   });
 }

@@ -8,8 +8,8 @@
 // operand with each packed row of a panel a contiguous run. The backward holds them a row per
 // query: dV = P^T dO and dK = dS^T Q take P and dS the same way; dQ = dS K is the one product whose
 // fp32 operand is packed across its rows.
-#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include "kernels/cpu/parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -194,7 +194,7 @@ void half_attention_forward(const HalfAttention& a, const HalfOut& out, float* l
   const MultiTensorKernels& mt = *cpu_kernels().multi_tensor;
   const DType t = a.t;
   const int64_t nq = round_up(a.lq, kern.nr), ndv = round_up(a.dv, kern.nr);
-  at::parallel_for(0, a.batch * a.heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, a.batch * a.heads, 1, [&](int64_t begin, int64_t end) {
     Buffers& buf = buffers;
     float* pa = buf.pack_a();
     float* pb = buf.pack_b();
@@ -252,7 +252,7 @@ void half_attention_backward(const HalfAttention& a, const HalfView& dout, const
   const DType t = a.t;
   const int64_t nk = round_up(a.lk, kern.nr);
   const int64_t nd = round_up(a.d, kern.nr), ndv = round_up(a.dv, kern.nr);
-  at::parallel_for(0, a.batch * a.heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, a.batch * a.heads, 1, [&](int64_t begin, int64_t end) {
     Buffers& buf = buffers;
     float* pa = buf.pack_a();
     float* pb = buf.pack_b();

@@ -2,8 +2,8 @@
 // over ATen's thread pool, each packed and multiplied by the kernels of the best instruction set
 // (kernels/cpu/isa.h, GemmKernels), its fp32 sums finished and rounded by the multi-tensor
 // conversions.
-#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include "kernels/cpu/parallel.h"
 
 #include <algorithm>
 #include <vector>
@@ -56,7 +56,7 @@ void half_gemm(const HalfGemm& g) {
   const int64_t per_term = ceil_div(g.k, kGemmKc), k_blocks = g.terms * per_term;
   // Two items per thread: batches first, then blocks of rows (each item packs its B chunk), then
   // chunks of columns (each packs its A blocks), B chunks never above kPackedB.
-  const int64_t wanted = 2 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t wanted = 2 * num_threads();
   const int64_t row_blocks = ceil_div(g.m, kGemmMc);
   const int64_t per_rows = std::clamp<int64_t>(ceil_div(wanted, g.batch), 1, row_blocks);
   const int64_t col_split = std::max<int64_t>(1, ceil_div(wanted, g.batch * per_rows));
@@ -161,11 +161,11 @@ void half_gemm(const HalfGemm& g) {
         const Chunk ch = chunk_of(bi, ci);
         float* pb = Buffers::sized(mine.b, kp * ch.ncp);
         const int64_t panels = ch.ncp / kern.nr;
-        at::parallel_for(0, k_blocks * panels, 4, [&](int64_t p0, int64_t p1) {
+        parallel_for(0, k_blocks * panels, 4, [&](int64_t p0, int64_t p1) {
           for (int64_t p = p0; p < p1; ++p)
             pack_b_part(ch, pb, p / panels, p % panels * kern.nr, kern.nr);
         });
-        at::parallel_for(0, row_blocks, 1, [&](int64_t r0, int64_t r1) {
+        parallel_for(0, row_blocks, 1, [&](int64_t r0, int64_t r1) {
           Buffers& buf = buffers;
           float* pa = Buffers::sized(buf.a, kGemmMc * kGemmKc);
           float* c = Buffers::sized(buf.c, round_up(kGemmMc, kGemmMr) * ch.ncp);
@@ -185,7 +185,7 @@ void half_gemm(const HalfGemm& g) {
   // Otherwise items of (batch, column chunk, rows) per thread, each packing its own B chunk (a
   // thread's consecutive items of one chunk pack it once). An A that every batch shares (a_b 0:
   // a convolution's weight) is packed once per thread and range of rows where it fits.
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     Buffers& buf = buffers;
     int64_t packed = -1;    // the chunk (bi * chunks + ci) whose B is in buf.b
     int64_t a_packed = -1;  // the range of rows whose A is in buf.a_rows

@@ -1,7 +1,7 @@
 // CPU driver of the half matrix-vector products (kernels/gemv.h): rows split over ATen's thread
 // pool, each range by the gemv kernels of the best instruction set (kernels/cpu/isa.h).
-#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include "kernels/cpu/parallel.h"
 
 #include <vector>
 
@@ -33,14 +33,14 @@ void half_gemv(const void* m, DType t, int64_t rows, int64_t k, bool k_contiguou
   // kGemvRowBlock blocks (isa.h).
   const int64_t per_row = (k > 0 ? k : 1) * nv;
   if (k_contiguous) {
-    at::parallel_for(0, rows, (int64_t{1} << 16) / per_row + 1, each_group);
+    parallel_for(0, rows, (int64_t{1} << 16) / per_row + 1, each_group);
     return;
   }
   constexpr int64_t kBlock = kGemvRowBlock;
   const int64_t blocks = (rows + kBlock - 1) / kBlock;
-  at::parallel_for(
-      0, blocks, (int64_t{1} << 16) / (per_row * kBlock) + 1,
-      [&](int64_t b, int64_t e) { each_group(b * kBlock, e * kBlock < rows ? e * kBlock : rows); });
+  parallel_for(0, blocks, (int64_t{1} << 16) / (per_row * kBlock) + 1, [&](int64_t b, int64_t e) {
+    each_group(b * kBlock, e * kBlock < rows ? e * kBlock : rows);
+  });
 }
 
 void half_gemv_rounded(const void* m, DType t, int64_t rows, int64_t k, bool k_contiguous,
@@ -65,25 +65,24 @@ void half_gemv_rounded(const void* m, DType t, int64_t rows, int64_t k, bool k_c
   // Row by row (the bias is per column of the output), rows split over the pool: rounded as
   // stored, with the bias through the multi-tensor axpby (1 * row + 1 * bias, as half_add_rows).
   auto* o = static_cast<uint16_t*>(out);
-  at::parallel_for(0, nv, (int64_t{1} << 15) / (rows > 0 ? rows : 1) + 1,
-                   [&](int64_t i0, int64_t i1) {
-                     for (int64_t i = i0; i < i1; ++i) {
-                       float* row = y.data() + i * rows;
-                       if (bias == nullptr) {
-                         mt.from_float(row, t, o + i * rows, rows);
-                         continue;
-                       }
-                       Span s;
-                       s.p[0] = row;
-                       s.t[0] = DType::kFloat32;
-                       s.p[1] = const_cast<void*>(bias);
-                       s.t[1] = t;
-                       s.p[2] = o + i * rows;
-                       s.t[2] = t;
-                       s.n = rows;
-                       mt.axpby(s, 1.0f, 1.0f, kAxpbyCheckNone);
-                     }
-                   });
+  parallel_for(0, nv, (int64_t{1} << 15) / (rows > 0 ? rows : 1) + 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      float* row = y.data() + i * rows;
+      if (bias == nullptr) {
+        mt.from_float(row, t, o + i * rows, rows);
+        continue;
+      }
+      Span s;
+      s.p[0] = row;
+      s.t[0] = DType::kFloat32;
+      s.p[1] = const_cast<void*>(bias);
+      s.t[1] = t;
+      s.p[2] = o + i * rows;
+      s.t[2] = t;
+      s.n = rows;
+      mt.axpby(s, 1.0f, 1.0f, kAxpbyCheckNone);
+    }
+  });
 }
 
 }  // namespace apex::kernels::cpu

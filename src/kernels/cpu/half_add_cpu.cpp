@@ -1,8 +1,8 @@
 // CPU driver of kernels/half_add.h: the flat range of elements split over ATen's thread pool, each
 // row segment by the multi-tensor axpby kernel of the best instruction set (kernels/cpu/isa.h),
 // which converts tile by tile in L1.
-#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include "kernels/cpu/parallel.h"
 
 #include <algorithm>
 
@@ -17,7 +17,7 @@ void half_add_rows(void* x, DType t, int64_t rows, int64_t n, const float* v, fl
   if (rows <= 0 || n <= 0) return;
   const auto axpby = cpu_kernels().multi_tensor->axpby;
   auto* base = static_cast<uint16_t*>(x);
-  at::parallel_for(0, rows * n, int64_t{1} << 15, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows * n, int64_t{1} << 15, [&](int64_t begin, int64_t end) {
     while (begin < end) {
       const int64_t col = begin % n;
       const int64_t len = std::min(end - begin, n - col);

@@ -177,7 +177,7 @@ struct CpuKernels {
 };
 
 /// The kernels of the widest instruction set this CPU has (APEX_CPU_ISA may force a narrower
-/// one), chosen on first use (multi_tensor_cpu.cpp).
+/// one), chosen on first use (isa_select.cpp).
 const CpuKernels& cpu_kernels();
 
 // One getter per table and ISA, defined by the per-ISA objects (the list: isa_list.h).
