@@ -5,6 +5,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/zeros.h>
+#include <apex/io.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -324,28 +325,29 @@ at::Tensor make_waves(const std::vector<int64_t>& y, int64_t samples, Rng& rng) 
 // ---------------------------------------------------------------------------------------------
 // Files
 
+// Through the library's file helpers: regular files only (a FIFO or a device cannot hang a load),
+// and writes atomic (a killed run leaves the old file or the new one, never half of one).
 std::vector<uint8_t> read_bytes(const fs::path& path, const std::string& what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
     fs::path gz = path;
     gz += ".gz";
-    std::error_code ec;
     TORCH_CHECK(!fs::exists(gz, ec), "apex-train: ", what, " ", path.string(), ": not found, but ",
                 gz.string(), " is: gunzip it first (plain, uncompressed files only)");
     TORCH_CHECK(false, "apex-train: ", what, " ", path.string(), ": cannot open file");
   }
-  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)),
-                             std::istreambuf_iterator<char>());
-  TORCH_CHECK(!in.bad(), "apex-train: ", what, " ", path.string(), ": read error");
-  return bytes;
+  std::string bytes;
+  try {
+    bytes = apex::read_file(path.string());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "apex-train: ", what, " ", path.string(), ": ", e.what_without_backtrace());
+  }
+  return {bytes.begin(), bytes.end()};
 }
 
 void write_bytes(const fs::path& path, const std::vector<uint8_t>& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  TORCH_CHECK(out, "apex-train: ", path.string(), ": cannot open for writing");
-  out.write(reinterpret_cast<const char*>(bytes.data()),
-            static_cast<std::streamsize>(bytes.size()));
-  TORCH_CHECK(out.good(), "apex-train: ", path.string(), ": write failed");
+  apex::write_file_atomic(
+      path.string(), std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
 }
 
 uint32_t be32(const uint8_t* p) {
