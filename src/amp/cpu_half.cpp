@@ -93,27 +93,18 @@ at::Tensor wide(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : t
 // Products the vector kernels do not take: apex's own product (kernels/gemm.h), which widens the
 // operands as it packs them and rounds the result as it stores it, where the CPU's kernel table
 // has it (AVX2 and wider); APEX_CPU_HALF_GEMM=0 widens both operands for LibTorch's fp32 product
-// instead (to compare). Under the AVX2 emulation 1.1-1.3x faster than widening + MKL's sgemm +
-// rounding on the transformer's shapes, and faster than MKL's fp32 product alone on these AMD
-// hosts (docs/benchmarks.md, "One pass").
+// instead (to compare). Why: docs/perf-notes.md, "Thresholds in the code".
 bool own_gemm() {
   static const bool on = kernels::cpu::half_gemm_available() && !env_is("APEX_CPU_HALF_GEMM", "0");
   return on;
 }
 
 // Products with at most this many rows or columns (small-batch `linear`) read the other operand
-// in place (kernels/gemv.h) rather than widen all of it for a few vectors: up to 64 rows the
-// register-tiled kernels beat widening + MKL's sgemm under the AVX2 emulation (256x256, 1024x256
-// and 256x1024 weights: 0.75-1.5x the fp32 product forward, 1.0-2.2x for the backward's input
-// gradient, against 0.67-0.83x by widening). A matrix under 64 Ki elements takes them for at most
-// 16 vectors (4 rows against 64x64 to 128x128 weights: 1.1-2.2x; 16 rows 0.7-1.2x, against ~0.5x
-// by widening, whose ATen calls dominate there; 32-64 rows: 0.5-1.0x either way, short k and
-// few rows to split); docs/benchmarks.md, "Small batches".
+// in place (kernels/gemv.h) rather than widen all of it for a few vectors; a matrix under
+// kMinMatrixForVectors elements takes them for at most kMaxVectorsSmallMatrix vectors; where
+// apex's own product runs it takes over from kMaxVectorsWithGemm + 1 rows. The measurements that
+// set the four cutoffs: docs/perf-notes.md, "Thresholds in the code".
 constexpr int64_t kMaxVectors = 64;
-// Where apex's own product runs (below), from 33 rows on it is the faster: alternating in one
-// process under the AVX2 emulation, 48 and 64 rows against 256x256 to 1024x256 weights (forward,
-// input and weight gradients) 1.14-1.22x fp32 against 1.00-1.14x by the vector kernels; 32 rows
-// even; 8-16 rows the vector kernels by 5-25 %.
 constexpr int64_t kMaxVectorsWithGemm = 32;
 constexpr int64_t kMaxVectorsSmallMatrix = 16;
 constexpr int64_t kMinMatrixForVectors = int64_t{1} << 16;

@@ -199,11 +199,8 @@ CpuHalfMatmul cpu_half_matmul_kind(c10::ScalarType dtype, const CpuHalfSupport& 
         (s.amx_bf16 && allowed(OnednnIsa::kAvx512CoreAmx)) || ne_convert) {
       return CpuHalfMatmul::kFast;
     }
-    // AVX-512 without its bf16 instructions: oneDNN converts in integer code around fp32 FMAs.
-    // Limited to AVX512_CORE on a Zen 5 (the same oneDNN code as on a Cascade Lake): a 512x256
-    // by 256x512 matmul 0.83x fp32, a 3x3 convolution 0.78x, apex-train's transformer O1/O2
-    // 0.84x/0.80x O0 and its resnet 0.64x/0.67x, against 1.57x/1.45x and 1.07x/1.11x through
-    // apex's route.
+    // AVX-512 without its bf16 instructions: oneDNN converts in integer code around fp32 FMAs,
+    // slower than fp32 and than apex's route (docs/perf-notes.md, "Thresholds in the code").
     if (s.avx512_core && allowed(OnednnIsa::kAvx512Core)) return CpuHalfMatmul::kEmulated;
     return CpuHalfMatmul::kScalar;
   }

@@ -250,11 +250,9 @@ void check_outputs(const TrainOptions& o) {
 }
 
 // glibc serves the activation-sized tensors of every step with mmap and unmaps them on free, so
-// each step page-faults its outputs in again: 12 % of a transformer step here (kernel page-fault
-// and unmap time in perf), against 3 % in the same model under Python, where glibc's adaptive
-// threshold had settled higher. A fixed threshold of 64 MiB and trimming only beyond 128 MiB keep
-// freed memory for reuse: +5-8 % samples/s and a lower peak (650 against 726 MiB; 256/512 MiB
-// gave 794), docs/perf-notes.md. A user's own malloc settings (GLIBC_TUNABLES, MALLOC_*_) win.
+// each step page-faults its outputs in again. A fixed threshold of 64 MiB and trimming only
+// beyond 128 MiB keep freed memory for reuse (why these values: docs/perf-notes.md, "Thresholds
+// in the code"). A user's own malloc settings (GLIBC_TUNABLES, MALLOC_*_) win.
 static void keep_freed_memory() {
 #ifdef __GLIBC__
   static const bool once = [] {

@@ -1,10 +1,14 @@
 #pragma once
 
-// Half-precision matrix products on CPUs where LibTorch has no fast ones (AVX2-only x86: it runs
-// bf16/fp16 matmuls in a scalar loop there, ~35x slower than fp32): computed by LibTorch's fp32
-// kernels on the inputs widened exactly, the result rounded once to the half dtype, within a
-// scope. apex::amp turns the scope on by itself (Amp::forward, scaled-loss backward, AutocastGuard
-// on the CPU); code that casts its model itself uses CpuHalfFallbackGuard.
+// Half precision on CPUs, within a scope: where LibTorch has no fast half matrix products (every
+// AVX2-only x86 CPU runs them in a scalar loop, tens of times slower than fp32; AVX-512 CPUs
+// without AVX512-FP16 for fp16), the products, convolutions and recurrent layers are computed on
+// exactly widened inputs (apex's own product or LibTorch's fp32 kernels), the result rounded once
+// to the half dtype; and on every CPU whose kernel table has them, attention runs on apex's own
+// half kernels (LibTorch's half attention is slow even where its half matmuls are fast). What a
+// CPU gets is one decision from its flags (detail::decide_cpu_half). apex::amp turns the scope on
+// by itself (Amp::forward, scaled-loss backward, AutocastGuard on the CPU); code that casts its
+// model itself uses CpuHalfFallbackGuard.
 
 #include <c10/core/ScalarType.h>
 

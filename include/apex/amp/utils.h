@@ -81,10 +81,10 @@ const CpuHalfSupport& cpu_half_support();
 /// How LibTorch multiplies `dtype` (Half or BFloat16) matrices on a CPU: kFast at about fp32's
 /// speed or better (bf16 with AVX512-BF16, AMX-BF16 or AVX-NE-CONVERT; fp16 with AVX512-FP16,
 /// AMX-FP16 or AVX-NE-CONVERT; through oneDNN, where oneDNN's ISA limit allows those); kEmulated
-/// through oneDNN's bf16 emulation on AVX-512 without AVX512-BF16 (Skylake to Ice Lake servers):
-/// 0.8-0.85x fp32's matmul and 0.65-0.85x O0's training speed, measured under that limit on a Zen
-/// 5; kScalar in a loop tens of times slower than fp32 (every AVX2-only x86 CPU: Zen 2/3, most
-/// laptops; fp16 without AVX512-FP16; no oneDNN).
+/// through oneDNN's bf16 emulation on AVX-512 without AVX512-BF16 (Skylake to Ice Lake servers),
+/// slower than fp32 (docs/perf-notes.md, "Thresholds in the code"); kScalar in a loop tens of
+/// times slower than fp32 (every AVX2-only x86 CPU: Zen 2/3, most laptops; fp16 without
+/// AVX512-FP16; no oneDNN).
 enum class CpuHalfMatmul { kFast, kEmulated, kScalar };
 
 /// This CPU's kind for `dtype`, from its features, never from a timing (a timing on a busy

@@ -1,10 +1,12 @@
-// The interface of the per-ISA CPU kernels. multi_tensor_kernels.cpp, norm_kernels.cpp and
-// lookup_kernels.cpp are compiled once per instruction set (the list: cmake/ApexCpuIsa.cmake,
+// The interface of the per-ISA CPU kernels. multi_tensor_kernels.cpp, norm_kernels.cpp,
+// lookup_kernels.cpp, gemv_kernels.cpp and gemm_kernels.cpp are compiled once per instruction set
+// (the list: cmake/ApexCpuIsa.cmake,
 // generated into kernels/cpu/isa_list.h), each filling its table by name; their helpers (vec.h)
 // live in a namespace per ISA and their kernels at internal linkage, so no function compiled for a
-// wider ISA can reach a narrower table through the linker. The drivers (multi_tensor_cpu.cpp,
-// norm_cpu.cpp, batch_norm_cpu.cpp) split the work and call these functions on one chunk, range
-// of rows or block each; pointers are already offset to the chunk's first element.
+// wider ISA can reach a narrower table through the linker; isa_select.cpp picks the table. The
+// drivers (multi_tensor_cpu.cpp, norm_cpu.cpp, batch_norm_cpu.cpp, gemv_cpu.cpp, gemm_cpu.cpp,
+// attention_cpu.cpp, activation_cpu.cpp) split the work and call these functions on one chunk,
+// range of rows or block each; pointers are already offset to the chunk's first element.
 #pragma once
 
 #include "kernels/cpu/isa_list.h"
