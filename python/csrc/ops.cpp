@@ -450,6 +450,14 @@ class NormFunction : public torch::autograd::Function<NormFunction<kStats>> {
 // Whether a call is plain eager work on CPU or CUDA tensors: no tensor subclass or mode of
 // Python's (fake tensors, torch_dispatch modes), no functionalization or functorch transform,
 // which must see the forward and backward ops through the dispatcher.
+// APEX_NORM_EAGER_AUTOGRAD=0: every call takes the traceable route (compiled autograd over eager
+// code needs it; ~6 us slower per forward + backward). Python's norms ask this too
+// (apex_cpp::_norm_eager_autograd), so the switch is read in one place.
+bool norm_eager_autograd() {
+  static const bool enabled = !apex::detail::env_is("APEX_NORM_EAGER_AUTOGRAD", "0");
+  return enabled;
+}
+
 bool eager_call(const Tensor& input, const std::optional<Tensor>& weight,
                 const std::optional<Tensor>& bias) {
   constexpr c10::DispatchKeySet kTraced(
@@ -457,10 +465,7 @@ bool eager_call(const Tensor& input, const std::optional<Tensor>& weight,
        c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchGradWrapper,
        c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
        c10::DispatchKey::FuncTorchDynamicLayerBackMode});
-  // APEX_NORM_EAGER_AUTOGRAD=0: every call takes the traceable route (compiled autograd over
-  // eager code needs it; ~6 us slower per forward + backward).
-  static const bool enabled = !apex::detail::env_is("APEX_NORM_EAGER_AUTOGRAD", "0");
-  if (!enabled) return false;
+  if (!norm_eager_autograd()) return false;
   if (c10::impl::tls_local_dispatch_key_set().included_.has_any(kTraced)) return false;
   // Strided memory the kernels can read as it is: no lazy negation or conjugation, no
   // ZeroTensor, no sparse or MKLDNN layout (the dispatcher's fallbacks convert those first).
@@ -659,6 +664,7 @@ TORCH_LIBRARY(apex_cpp, m) {
   m.def("cpu_half_fallback_prepare() -> ()", &apex::amp::prepare_cpu_half_fallback);
   m.def("_cpu_half_fallback_force(int forced) -> ()", &cpu_half_fallback_force);
   m.def("_cpu_half_route_calls() -> int", &cpu_half_route_calls);
+  m.def("_norm_eager_autograd() -> bool", &norm_eager_autograd);
   m.def("bench_scale_calls(Tensor(a!) noop_flag, Tensor[] x, Tensor(b!)[] y, int n) -> float",
         &bench_scale_calls);
 }

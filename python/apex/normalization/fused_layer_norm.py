@@ -9,7 +9,6 @@ without a graph break. Statistics and math are fp32 whatever the storage dtype; 
 take a float64 path (gradcheck).
 """
 import numbers
-import os
 
 import torch
 from torch.nn import init
@@ -169,8 +168,9 @@ class FusedRMSNormFunction(torch.autograd.Function):
 
 
 # APEX_NORM_EAGER_AUTOGRAD=0 (for compiled autograd, which cannot trace the library's node) also
-# sends apex's Functions through their own Python node, which it traces.
-_EAGER_AUTOGRAD = os.environ.get("APEX_NORM_EAGER_AUTOGRAD") != "0"
+# sends apex's Functions through their own Python node, which it traces. The op library reads the
+# switch (one place); without the direct entry (_direct_fwd None) it does not matter.
+_EAGER_AUTOGRAD = _direct_fwd is None or bool(ops._norm_eager_autograd())
 
 
 def _eager_apply(owner, rms, mixed, has_weight, has_bias):
