@@ -602,23 +602,33 @@ kernels::cpu::HalfAttention attention_of(const at::Tensor& q, const at::Tensor& 
 // matmuls are fast but its half attention is not (AVX512-BF16 and AMX CPUs: ~0.4x its fp32
 // kernel up to a few hundred tokens; docs/amp.md): the kernels exist (AVX2 and wider) and
 // neither APEX_CPU_HALF_FALLBACK=0 nor APEX_CPU_HALF_ATTENTION=0 is set.
-// This process's decision: from cpuid and the environment, once.
-const detail::CpuHalfDecision& decision() {
+// The decision in force, from decide_cpu_half: this process's (cpuid and the environment, read
+// once), or a test's (forced): 0 nothing, 1 everything, 2 as a CPU whose half matmuls are fast.
+detail::CpuHalfDecision decision() {
   static const std::optional<std::string> fallback = apex::detail::env("APEX_CPU_HALF_FALLBACK");
   static const std::optional<std::string> attention = apex::detail::env("APEX_CPU_HALF_ATTENTION");
-  static const detail::CpuHalfDecision d = detail::decide_cpu_half(
-      cpu_half_support(), own_gemm() && kernels::cpu::half_attention_available(),
-      fallback ? fallback->c_str() : nullptr, attention ? attention->c_str() : nullptr);
-  return d;
+  static const bool own_kernels = own_gemm() && kernels::cpu::half_attention_available();
+  const char* attention_env = attention ? attention->c_str() : nullptr;
+  static const detail::CpuHalfDecision natural = detail::decide_cpu_half(
+      cpu_half_support(), own_kernels, fallback ? fallback->c_str() : nullptr, attention_env);
+  switch (forced.load()) {
+    case 0:
+      return {};
+    case 1:
+      return detail::decide_cpu_half(cpu_half_support(), own_kernels, "1", attention_env);
+    case 2: {
+      CpuHalfSupport fast;
+      fast.onednn = fast.avx512_core = fast.avx512_bf16 = fast.avx512_fp16 = true;
+      return detail::decide_cpu_half(fast, own_kernels, nullptr, attention_env);
+    }
+    default:
+      return natural;
+  }
 }
 
 bool attention_available(at::ScalarType dtype) {
-  const int f = forced.load();
-  if (f >= 0) {
-    return (f == 1 || f == 2) && own_gemm() && kernels::cpu::half_attention_available() &&
-           !env_is("APEX_CPU_HALF_ATTENTION", "0");
-  }
-  return dtype == at::kBFloat16 ? decision().attention_bf16 : decision().attention_fp16;
+  const detail::CpuHalfDecision d = decision();
+  return dtype == at::kBFloat16 ? d.attention_bf16 : d.attention_fp16;
 }
 
 // In a scope, inputs of one half dtype that attention's own kernels serve and can take.
@@ -940,9 +950,8 @@ void register_what_is_available() {
 bool cpu_half_fallback_available(c10::ScalarType dtype) {
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf,
               "apex::amp::cpu_half_fallback_available: expected Half or BFloat16, got ", dtype);
-  const int f = forced.load();
-  if (f >= 0) return f == 1;
-  return dtype == at::kBFloat16 ? decision().route_bf16 : decision().route_fp16;
+  const detail::CpuHalfDecision d = decision();
+  return dtype == at::kBFloat16 ? d.route_bf16 : d.route_fp16;
 }
 
 bool cpu_half_scope_available() {

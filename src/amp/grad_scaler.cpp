@@ -184,14 +184,7 @@ std::optional<at::Tensor> GradScaler::fused_step(apex::optim::FusedOptimizer& op
     // Optimizers that read the flag on the host anyway: read it once here instead.
     result = optimizer.step(GradScaling{scaling.inv_scale, at::Tensor(), scaling.unscale_grads});
   } else if (scaling.unscale_grads) {
-    // Skipped: the gradients are unscaled all the same (a rare step; torch's unscale_ pass).
-    const at::NoGradGuard no_grad;
-    for (auto& group : optimizer.param_groups()) {
-      for (auto& p : group.params()) {
-        at::Tensor g = p.grad();
-        if (g.defined() && !g.is_sparse()) g.mul_(scaling.inv_scale.to(g.device()));
-      }
-    }
+    optimizer.step(scaling);  // skipped: only unscales the gradients (FusedOptimizer::step)
   }
   state.stage = Stage::kStepped;
   return result;

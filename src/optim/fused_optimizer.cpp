@@ -48,7 +48,26 @@ torch::Tensor FusedOptimizer::step(const GradScaling& scaling, LossClosure closu
     loss = closure();
   }
   const at::NoGradGuard no_grad;
-  fused_step(scaling);
+  // Optimizers that decide a skip on the host (skips_without_sync() false) read the flag once,
+  // here, for every group; a skipped step changes nothing but, under unscale_grads, the
+  // gradients (GradScaler's contract: unscaled after the step, stepped or not). The others
+  // decide on the device, where their kernels do the same.
+  GradScaling s = scaling;
+  bool skipped = false;
+  if (s.found_inf.defined() && !skips_without_sync()) {
+    skipped = found_inf_on_host(s.found_inf);
+    s.found_inf = at::Tensor();
+  }
+  if (!skipped) {
+    fused_step(s);
+  } else if (s.unscale_grads && s.inv_scale.defined()) {
+    for (auto& group : param_groups_) {
+      for (auto& p : group.params()) {
+        at::Tensor g = p.grad();
+        if (g.defined() && !g.is_sparse()) g.mul_(s.inv_scale.to(g.device()));
+      }
+    }
+  }
   // The kernels write through raw pointers; count the update as torch.optim's in-place ops do,
   // so that autograd and whoever watches the parameters (apex::amp) see that they changed (the
   // gradients too, when they were unscaled in place).

@@ -123,22 +123,14 @@ void FusedSGD::fused_step(const GradScaling& scaling) {
         args.first_run = first && with_momentum;
         args.amp.inv_scale = bridge::scalar_ptr(inv, device, kWho, "inv_scale");
         args.amp.unscale_grads = scaling.unscale_grads;
-        if (args.first_run && found.defined()) {
-          // Seeding must not happen on a skipped step: the one host read of this optimizer.
-          if (found_inf_on_host(found)) {
-            for (auto* s : seeded) s->momentum_buffer(at::Tensor());
-            // Skipped: the gradients are unscaled all the same when asked (the kernel does it on
-            // the other skipped steps).
-            if (scaling.unscale_grads && inv.defined()) {
-              for (const auto& e : fresh) e.grad.mul_(inv);
-            }
-            continue;
-          }
-        } else {
-          args.amp.found_inf = bridge::scalar_ptr(found, device, kWho, "found_inf");
-        }
+        args.amp.found_inf = bridge::scalar_ptr(found, device, kWho, "found_inf");
         const auto view = lists.view();
         bridge::launch(device, kernels::cpu::sgd, kernels::cuda::sgd, view, args);
+        // A skipped step changed nothing (but unscaled the gradients when asked); the buffers
+        // seeded for it must not stay either: the one host read of this optimizer.
+        if (args.first_run && found.defined() && found_inf_on_host(found)) {
+          for (auto* s : seeded) s->momentum_buffer(at::Tensor());
+        }
       }
     }
   }

@@ -316,6 +316,27 @@ std::string waited(std::chrono::steady_clock::time_point t0) {
   return buf;
 }
 
+// The two ways a rendezvous fails, with what was tried, how long it waited, a hint and c10d's
+// own words (`why`) where there are any: in connect() and at connect_within_deadline()'s deadline.
+[[noreturn]] void store_failed(const Rendezvous& rv, std::chrono::steady_clock::time_point t0,
+                               const std::string& why) {
+  const bool server = !rv.agent && rv.rank == 0;
+  TORCH_CHECK(false, rv.who, ": rank ", rv.rank, " of ", rv.world, " could not ",
+              server ? "gather every rank at its store on " : "reach the store at ", rv.addr, ":",
+              rv.port, " within ", rv.timeout.count(), " ms (", waited(t0), "; ",
+              server ? "did all WORLD_SIZE ranks start?"
+                     : "is MASTER_ADDR:MASTER_PORT right, and rank 0 up?",
+              ")", why.empty() ? "" : ": ", why);
+}
+
+[[noreturn]] void group_failed(const Rendezvous& rv, std::chrono::steady_clock::time_point t0,
+                               const std::string& why) {
+  TORCH_CHECK(false, rv.who, ": rank ", rv.rank, " of ", rv.world,
+              " could not connect to the other ranks within ", rv.timeout.count(), " ms (",
+              waited(t0), "; did every rank start, each with its own RANK?)",
+              why.empty() ? "" : ": ", why);
+}
+
 // The store, then the group on it. `stage` says how far it got (0: store, 1: group).
 Connected connect(const Rendezvous& rv, int listen_fd, std::atomic<int>& stage,
                   std::chrono::steady_clock::time_point t0) {
@@ -336,12 +357,7 @@ Connected connect(const Rendezvous& rv, int listen_fd, std::atomic<int>& stage,
       base = c10::make_intrusive<c10d::TCPStore>(rv.addr, so);
     } catch (const std::exception& e) {
       // (The listening socket is the store's now, whether or not it got far enough to close it.)
-      TORCH_CHECK(false, rv.who, ": rank ", rv.rank, " of ", rv.world, " could not ",
-                  server ? "gather every rank at its store on " : "reach the store at ", rv.addr,
-                  ":", rv.port, " within ", rv.timeout.count(), " ms (", waited(t0), "; ",
-                  server ? "did all WORLD_SIZE ranks start?"
-                         : "is MASTER_ADDR:MASTER_PORT right, and rank 0 up?",
-                  "): ", message_of(e));
+      store_failed(rv, t0, message_of(e));
     }
   }
   stage = 1;
@@ -382,9 +398,7 @@ Connected connect(const Rendezvous& rv, int listen_fd, std::atomic<int>& stage,
     pg->setGroupName("0");
     c.group = pg;
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, rv.who, ": rank ", rv.rank, " of ", rv.world,
-                " could not connect to the other ranks within ", rv.timeout.count(), " ms (",
-                waited(t0), "): ", message_of(e));
+    group_failed(rv, t0, message_of(e));
   }
   return c;
 }
@@ -398,6 +412,10 @@ Connected connect_within_deadline(const Rendezvous& rv) {
   const bool server = !rv.agent && rv.rank == 0;
   const int listen_fd = rv.world > 1 && server ? listen_on(rv.addr, rv.port) : -1;
   const QuietC10Logs quiet;
+  if (rv.world == 1 && !rv.agent) {  // no network: nothing to wait for
+    std::atomic<int> stage{0};
+    return connect(rv, listen_fd, stage, t0);
+  }
   auto stage = std::make_shared<std::atomic<int>>(0);
   auto task = std::make_shared<std::packaged_task<Connected()>>(
       [rv, listen_fd, stage, t0] { return connect(rv, listen_fd, *stage, t0); });
@@ -405,18 +423,8 @@ Connected connect_within_deadline(const Rendezvous& rv) {
   std::thread([task] { (*task)(); }).detach();
   const auto grace = std::chrono::milliseconds(1500);
   if (done.wait_for(rv.timeout + grace) == std::future_status::ready) return done.get();
-  if (*stage == 0) {
-    TORCH_CHECK(false, rv.who, ": rank ", rv.rank, " of ", rv.world, " could not ",
-                server ? "gather every rank at its store on " : "reach the store at ", rv.addr, ":",
-                rv.port, " within ", rv.timeout.count(), " ms (", waited(t0), "; ",
-                server ? "did all WORLD_SIZE ranks start?"
-                       : "is MASTER_ADDR:MASTER_PORT right and rank 0 up? something answered "
-                         "the connection but not as a c10d store does",
-                ")");
-  }
-  TORCH_CHECK(false, rv.who, ": rank ", rv.rank, " of ", rv.world,
-              " could not connect to the other ranks within ", rv.timeout.count(), " ms (",
-              waited(t0), "; did every rank start, each with its own RANK?)");
+  if (*stage == 0) store_failed(rv, t0, "");
+  group_failed(rv, t0, "");
 }
 
 }  // namespace

@@ -41,6 +41,13 @@ def _state_crc32(sd):
     return crc
 
 
+def _finite_nonnegative(value):
+    """A number (or a one-element tensor) that is finite and >= 0; bools are not numbers here."""
+    v = value.item() if torch.is_tensor(value) and value.numel() == 1 else value
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and v >= 0)
+
+
 class _FusedOptimizer(torch.optim.Optimizer):
     # GradScaler hands us its scale and found_inf instead of unscaling the gradients itself.
     _step_supports_amp_scaling = True
@@ -155,7 +162,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if len(set(named)) != len(named):
             raise ValueError(f"{name}.load_state_dict: param_groups name a parameter twice "
                              f"({named})")
-        stray = [k for k in state_dict["state"] if k not in set(named)]
+        named_set = set(named)
+        stray = [k for k in state_dict["state"] if k not in named_set]
         if stray:
             raise ValueError(f"{name}.load_state_dict: the state holds entries {stray} that no "
                              f"parameter group names (the groups name {named})")
@@ -174,12 +182,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"{name}.load_state_dict: the state of parameter {index} "
                                      f"holds {key!r}, which {name} does not keep (expected "
                                      f"{sorted(allowed)}): another optimizer's state?")
-                if key == "step":
-                    v = value.item() if torch.is_tensor(value) and value.numel() == 1 else value
-                    if not isinstance(v, (int, float)) or isinstance(v, bool) or \
-                            not (math.isfinite(v) and v >= 0):
-                        raise ValueError(f"{name}.load_state_dict: 'step' of parameter {index} "
-                                         f"must be a finite number >= 0, got {value!r}")
+                if key == "step" and not _finite_nonnegative(value):
+                    raise ValueError(f"{name}.load_state_dict: 'step' of parameter {index} "
+                                     f"must be a finite number >= 0, got {value!r}")
                 if key in self._elementwise_state:
                     if not torch.is_tensor(value) or not value.is_floating_point() or \
                             value.shape != p.shape:
@@ -214,13 +219,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if not ok:
                     raise ValueError(f"{name}.load_state_dict: betas of group {gi} must be "
                                      f"numbers in [0, 1), got {value!r}")
-            elif isinstance(value, (int, float)) and not (math.isfinite(value) and value >= 0):
+            elif (isinstance(value, (int, float)) or (torch.is_tensor(value) and value.numel() == 1
+                                                       and value.is_floating_point())) \
+                    and not _finite_nonnegative(value):
+                shown = value.item() if torch.is_tensor(value) else value
                 raise ValueError(f"{name}.load_state_dict: {key} of group {gi} must be a finite "
-                                 f"number >= 0, got {value!r}")
-            elif torch.is_tensor(value) and value.numel() == 1 and value.is_floating_point() and \
-                    not (math.isfinite(value.item()) and value.item() >= 0):
-                raise ValueError(f"{name}.load_state_dict: {key} of group {gi} must be a finite "
-                                 f"number >= 0, got {value.item()!r}")
+                                 f"number >= 0, got {shown!r}")
 
     def state_dict(self):
         """torch's state dict plus ``apex_crc32``: a CRC-32 of the state's keys and tensors'

@@ -101,10 +101,13 @@ float unscale_of(const AmpArgs& amp) {
   return amp.unscale_grads && amp.inv_scale != nullptr ? *amp.inv_scale : 0.0f;
 }
 
-// The AmpArgs skip: a non-finite gradient was found, so the optimizer changes nothing, but for
-// unscaling the gradients (list 1) when asked, as GradScaler's unscale_ would have.
+// Whether a non-finite gradient was found: the step changes nothing.
+bool overflow(const AmpArgs& amp) { return amp.found_inf != nullptr && *amp.found_inf != 0.0f; }
+
+// The AmpArgs skip: on overflow the optimizer changes nothing, but for unscaling the gradients
+// (list 1) when asked, as GradScaler's unscale_ would have.
 bool skipped(const TensorLists& lists, const AmpArgs& amp) {
-  if (amp.found_inf == nullptr || *amp.found_inf == 0.0f) return false;
+  if (!overflow(amp)) return false;
   const float unscale = unscale_of(amp);
   if (unscale != 0.0f && lists.ptrs[1] != nullptr) {
     TensorLists grads;
@@ -263,8 +266,7 @@ void lamb_stage1(const TensorLists& lists, const LambArgs& args) {
 }
 
 void lamb_stage2(const TensorLists& lists, const LambArgs& args) {
-  // (Stage 1 unscaled the gradients, skipped or not.)
-  if (args.amp.found_inf != nullptr && *args.amp.found_inf != 0.0f) return;
+  if (overflow(args.amp)) return;  // (stage 1 unscaled the gradients, skipped or not)
   const LambChunk a = lamb_chunk_args(args);
   const bool trust = args.use_nvlamb || args.weight_decay != 0.0f;
   std::vector<float> ratio(static_cast<size_t>(lists.num_tensors), args.lr);

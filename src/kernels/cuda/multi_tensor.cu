@@ -326,11 +326,16 @@ void norm_typed(const TensorLists& lists, const NormArgs& args, cudaStream_t str
 // ParamIo (list 0 and the master) and its gradient and state lists.
 // ---------------------------------------------------------------------------------------------
 
-/// The AmpArgs skip: a non-finite gradient was found, so the optimizer changes nothing, but for
-/// unscaling the gradients when asked (as GradScaler's unscale_ would have).
+/// Whether a non-finite gradient was found: the step changes nothing.
+__device__ __forceinline__ bool overflow(const AmpArgs& amp) {
+  return amp.found_inf != nullptr && *amp.found_inf != 0.0f;
+}
+
+/// The AmpArgs skip: on overflow the optimizer changes nothing, but for unscaling the gradients
+/// when asked (as GradScaler's unscale_ would have).
 template <typename TG, int D>
 __device__ __forceinline__ bool skip_step(const AmpArgs& amp, const Chunk<D>& c) {
-  if (amp.found_inf == nullptr || *amp.found_inf == 0.0f) return false;
+  if (!overflow(amp)) return false;
   const GradIo<TG> g = grad_io<TG>(c, amp);
   if (g.write) {
     const float inv = *amp.inv_scale;
@@ -513,8 +518,7 @@ struct LambStage2Op {
   LambArgs s;
 
   __device__ void operator()(const Chunk<5>& c) const {
-    // (Stage 1 unscaled the gradients, skipped or not.)
-    if (s.amp.found_inf != nullptr && *s.amp.found_inf != 0.0f) return;
+    if (overflow(s.amp)) return;  // (stage 1 unscaled the gradients, skipped or not)
     const float p_norm = sqrtf(s.p_sumsq[c.tensor]);
     const float u_norm = sqrtf(s.u_sumsq[c.tensor]);
     const bool adapt = (s.use_nvlamb || s.weight_decay != 0.0f) && p_norm != 0.0f && u_norm != 0.0f;
