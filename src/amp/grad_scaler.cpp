@@ -129,7 +129,11 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   TORCH_CHECK(state.stage != Stage::kStepped,
               "GradScaler::unscale_() is being called after step(); call update() first");
   OptimizerState staged{Stage::kReady, {}};
-  unscale_grads(optimizer, inv_scale(), /*allow_fp16=*/false, staged);
+  if (auto* own = dynamic_cast<apex::optim::ScaledGradients*>(&optimizer)) {
+    staged.found_inf_per_device = {own->unscale_grads(inv_scale())};
+  } else {
+    unscale_grads(optimizer, inv_scale(), /*allow_fp16=*/false, staged);
+  }
   state.found_inf_per_device = std::move(staged.found_inf_per_device);
   state.stage = Stage::kUnscaled;
 }
@@ -142,6 +146,16 @@ std::optional<at::Tensor> GradScaler::step(torch::optim::Optimizer& optimizer) {
               "GradScaler::step() has already been called since the last update()");
   if (auto* fused = dynamic_cast<apex::optim::FusedOptimizer*>(&optimizer)) {
     return fused_step(*fused, state);
+  }
+  if (auto* own = dynamic_cast<apex::optim::ScaledGradients*>(&optimizer)) {
+    // It finds overflow itself (its gradients are not in p.grad): the kernel unscales, unless
+    // unscale_() did already.
+    const at::Tensor found =
+        own->scaled_step(state.stage == Stage::kReady ? inv_scale() : at::Tensor());
+    state.found_inf_per_device = {found.to(scale_.device())};
+    state.stage = Stage::kStepped;
+    if (found.item<float>() != 0.0f) return std::nullopt;
+    return at::Tensor();
   }
   if (state.stage == Stage::kReady) unscale_(optimizer);
   TORCH_CHECK(!state.found_inf_per_device.empty(),

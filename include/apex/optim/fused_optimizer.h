@@ -27,6 +27,20 @@ struct GradScaling {
   bool unscale_grads = false;
 };
 
+/// An optimizer that keeps its gradients itself instead of in `p.grad` (the sharded
+/// apex::parallel::DistributedFusedAdam): GradScaler hands it the inverse scale and it reports
+/// overflow, agreed by every rank.
+class ScaledGradients {
+ public:
+  virtual ~ScaledGradients() = default;
+  /// Multiplies the gradients by `inv_scale` in place; returns the found-inf flag (one-element
+  /// fp32, non-zero when any gradient is inf/NaN).
+  virtual at::Tensor unscale_grads(const at::Tensor& inv_scale) = 0;
+  /// Steps unless a gradient is inf/NaN, multiplying the gradients by `inv_scale` in the update
+  /// (undefined: they are unscaled already); returns the found-inf flag.
+  virtual at::Tensor scaled_step(const at::Tensor& inv_scale) = 0;
+};
+
 /// Base of the fused multi-tensor optimizers. A step updates every parameter of a group in one
 /// pass over memory per (device, dtype) bucket. Parameters may be fp32, fp16 or bf16 (math and
 /// state in fp32); each group's parameters must sit on one device.

@@ -1,0 +1,652 @@
+// DistributedFusedAdam (ZeRO-2): real processes on Gloo over 127.0.0.1. Every equivalence test
+// compares with one process training on the whole batch with FusedAdam (the same kernel): one
+// rank is bit-identical; more ranks sum the gradients in another order (the reduce-scatter), so
+// they agree within the fp32 (or bf16) row of the tolerance table.
+#include <apex/amp/grad_scaler.h>
+#include <apex/optim/fused_adam.h>
+#include <apex/parallel.h>
+#include <apex/serialize.h>
+#include <torch/autograd.h>
+#include <torch/nn.h>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+
+#include "common/test_util.h"
+#include "launcher.h"
+
+namespace ap = apex::parallel;
+using apex::test::all_close;
+using apex::test::launch;
+using apex::test::LaunchOptions;
+using apex::test::randn_seeded;
+using apex::test::RegisterWorker;
+using apex::test::tolerance_for;
+
+namespace {
+
+constexpr int64_t kBatch = 12;  // the global batch: divisible by 1, 2, 3 and 4 ranks
+
+std::map<std::string, std::string> parse_args(const std::string& arg) {
+  std::map<std::string, std::string> m;
+  std::istringstream in(arg);
+  for (std::string kv; std::getline(in, kv, ',');) {
+    const auto eq = kv.find('=');
+    if (eq != std::string::npos) m[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return m;
+}
+
+std::string get(const std::map<std::string, std::string>& m, const std::string& k,
+                const std::string& d) {
+  const auto it = m.find(k);
+  return it == m.end() ? d : it->second;
+}
+
+torch::nn::Sequential mlp(int64_t hidden = 16) {
+  // 12*16+16, 16*16+16, 16*4+4: 548 elements, none a multiple of the shard unit.
+  return torch::nn::Sequential(torch::nn::Linear(12, hidden), torch::nn::ReLU(),
+                               torch::nn::Linear(hidden, 16), torch::nn::Tanh(),
+                               torch::nn::Linear(16, 4));
+}
+
+void copy_params(torch::nn::Module& dst, const torch::nn::Module& src) {
+  const torch::NoGradGuard no_grad;
+  auto d = dst.parameters();
+  auto s = src.parameters();
+  for (size_t i = 0; i < d.size(); ++i) d[i].copy_(s[i]);
+}
+
+// Two groups: the first layer (its own lr and weight decay), the rest.
+std::vector<torch::optim::OptimizerParamGroup> adam_groups(const std::vector<at::Tensor>& ps) {
+  std::vector<at::Tensor> first(ps.begin(), ps.begin() + 2);
+  std::vector<at::Tensor> rest(ps.begin() + 2, ps.end());
+  return {torch::optim::OptimizerParamGroup(
+              first, std::make_unique<apex::optim::FusedAdamOptions>(
+                         apex::optim::FusedAdamOptions(0.01).weight_decay(0.1))),
+          torch::optim::OptimizerParamGroup(rest, std::make_unique<apex::optim::FusedAdamOptions>(
+                                                      apex::optim::FusedAdamOptions(0.02)))};
+}
+
+std::vector<torch::optim::OptimizerParamGroup> dfa_groups(torch::nn::Sequential& m) {
+  auto ps = m->parameters();
+  std::vector<at::Tensor> first(ps.begin(), ps.begin() + 2);
+  std::vector<at::Tensor> rest(ps.begin() + 2, ps.end());
+  return {torch::optim::OptimizerParamGroup(
+              first, std::make_unique<ap::DistributedFusedAdamOptions>(
+                         ap::DistributedFusedAdamOptions(0.01).weight_decay(0.1))),
+          torch::optim::OptimizerParamGroup(rest, std::make_unique<ap::DistributedFusedAdamOptions>(
+                                                      ap::DistributedFusedAdamOptions(0.02)))};
+}
+
+at::Tensor inputs(int step, int micro) {
+  return randn_seeded({kBatch, 12}, 1000 + step * 10 + micro);
+}
+at::Tensor targets(int step, int micro) {
+  return randn_seeded({kBatch, 4}, 1005 + step * 10 + micro);
+}
+
+// Compares every parameter with the reference; `exact` demands equal bits.
+int compare(const std::vector<at::Tensor>& g, const std::vector<at::Tensor>& w, bool exact,
+            at::ScalarType dtype, const std::string& what) {
+  int bad = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (exact) {
+      if (!at::equal(g[i], w[i])) {
+        std::cout << what << ": tensor " << i << " differs from the reference (max "
+                  << (g[i].to(at::kDouble) - w[i].to(at::kDouble)).abs().max().item<double>()
+                  << ")\n";
+        ++bad;
+      }
+    } else if (const auto r = all_close(g[i], w[i], tolerance_for(dtype)); !r) {
+      std::cout << what << ": tensor " << i << ": " << r.message() << "\n";
+      ++bad;
+    }
+  }
+  return bad;
+}
+
+// Every rank holds the same parameters after a step (the all-gather's point).
+int same_on_every_rank(torch::nn::Module& m, const ap::ProcessGroup& pg) {
+  int bad = 0;
+  for (const auto& p : m.parameters()) {
+    const auto all = pg.all_gather(p.detach());
+    for (size_t r = 1; r < all.size(); ++r) {
+      if (!at::equal(all[r], all[0])) {
+        std::cout << "rank " << r << " holds other parameters than rank 0\n";
+        ++bad;
+      }
+    }
+  }
+  return bad;
+}
+
+struct Run {
+  at::ScalarType dtype = at::kFloat;
+  int micro = 1;
+  double bucket_mb = 0.0003;  // ~78 fp32 elements: fragments across buckets and shards
+  ap::ReduceScatter rs = ap::ReduceScatter::kAuto;
+  int inf_step = -1;
+  int inf_rank = 1;
+  double clip = 0;
+  bool contiguous = false;
+};
+
+ap::DistributedFusedAdamOptions dfa_options(const Run& run) {
+  return ap::DistributedFusedAdamOptions()
+      .bucket_cap_mb(run.bucket_mb)
+      .reduce_scatter(run.rs)
+      .contiguous_grad_buffer(run.contiguous);
+}
+
+// One process doing what W ranks do, in their order: each rank's slice's gradients (in the
+// model's dtype), accumulated over micro-batches in fp32, divided by W, summed in rank order
+// (the all-to-all reduce-scatter's order), then FusedAdam on fp32 masters (the model's own
+// parameters when it is fp32).
+struct Reference {
+  torch::nn::Sequential model;
+  std::vector<at::Tensor> master;
+  std::unique_ptr<apex::optim::FusedAdam> opt;
+
+  Reference(torch::nn::Sequential m) : model(std::move(m)) {
+    for (const auto& p : model->parameters()) {
+      master.push_back(p.scalar_type() == at::kFloat ? p
+                                                     : p.detach().to(at::kFloat).requires_grad_());
+    }
+    opt = std::make_unique<apex::optim::FusedAdam>(adam_groups(master));
+  }
+
+  void step(int world, int step, const Run& run) {
+    const int64_t n = kBatch / world;
+    const auto params = model->parameters();
+    std::vector<at::Tensor> total(params.size());
+    for (int r = 0; r < world; ++r) {
+      std::vector<at::Tensor> acc;
+      for (const auto& p : params) acc.push_back(at::zeros(p.sizes(), at::kFloat));
+      for (int m = 0; m < run.micro; ++m) {
+        const at::Tensor x = inputs(step, m).to(run.dtype).slice(0, r * n, (r + 1) * n);
+        const at::Tensor t = targets(step, m).to(run.dtype).slice(0, r * n, (r + 1) * n);
+        const auto gs = torch::autograd::grad({at::mse_loss(model->forward(x), t)}, params);
+        for (size_t i = 0; i < gs.size(); ++i) acc[i].add_(gs[i].to(at::kFloat));
+      }
+      for (size_t i = 0; i < acc.size(); ++i) {
+        if (world > 1) acc[i].div_(static_cast<double>(world));
+        total[i] = r == 0 ? acc[i] : total[i].add_(acc[i]);
+      }
+    }
+    for (size_t i = 0; i < master.size(); ++i) master[i].mutable_grad() = total[i];
+    if (run.clip > 0) torch::nn::utils::clip_grad_norm_(master, run.clip);
+    opt->step();
+    const torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < master.size(); ++i) {
+      if (!master[i].is_same(params[i])) params[i].copy_(master[i]);
+    }
+  }
+};
+
+// One iteration of the sharded optimizer on this rank's slice. Returns false when the step was
+// skipped (an inf).
+bool iteration(int rank, int world, int step, const Run& run, torch::nn::Sequential& local,
+               ap::DistributedFusedAdam& opt, apex::amp::GradScaler* scaler) {
+  const int64_t n = kBatch / world;
+  const bool inf = step == run.inf_step;
+  opt.zero_grad();
+  for (int m = 0; m < run.micro; ++m) {
+    const at::Tensor xs = inputs(step, m).to(run.dtype).slice(0, rank * n, (rank + 1) * n);
+    const at::Tensor ts = targets(step, m).to(run.dtype).slice(0, rank * n, (rank + 1) * n);
+    at::Tensor loss = at::mse_loss(local->forward(xs), ts);
+    if (inf && rank == run.inf_rank && m == 0) loss = loss * std::numeric_limits<float>::infinity();
+    if (scaler != nullptr) loss = scaler->scale(loss);
+    if (m + 1 < run.micro) {
+      auto guard = opt.no_sync();
+      loss.backward();
+    } else {
+      loss.backward();
+    }
+  }
+  if (run.clip > 0) {
+    if (scaler != nullptr) scaler->unscale_(opt);
+    opt.clip_grad_norm(run.clip);
+  }
+  bool stepped = true;
+  if (scaler != nullptr) {
+    stepped = scaler->step(opt).has_value();
+    scaler->update();
+  } else {
+    opt.step();
+  }
+  return stepped;
+}
+
+// The gathered state against the reference's: moments and fp32 masters.
+int compare_state(const ap::DistributedFusedAdam& opt, const Reference& ref, bool exact) {
+  const auto cs = opt.consolidated_state_dict();
+  const auto ref_sd = ref.opt->python_state_dict();
+  const auto st = cs.at("state").toGenericDict();
+  const auto ref_st = ref_sd.at("state").toGenericDict();
+  int bad = 0;
+  for (const auto& kv : st) {
+    const int64_t i = kv.key().toInt();
+    const auto d = kv.value().toGenericDict();
+    const auto r = ref_st.at(i).toGenericDict();
+    bad += compare(
+        {d.at("exp_avg").toTensor(), d.at("exp_avg_sq").toTensor(), d.at("param").toTensor()},
+        {r.at("exp_avg").toTensor(), r.at("exp_avg_sq").toTensor(), ref.master[i]}, exact,
+        at::kFloat, "state of parameter " + std::to_string(i));
+  }
+  return bad;
+}
+
+ap::ProcessGroup join() {
+  return ap::init_process_group(ap::ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+}
+
+// The model of this rank (another initialization than rank 0's, which the optimizer's broadcast
+// must replace) and the reference (rank 0's).
+std::pair<torch::nn::Sequential, torch::nn::Sequential> models(int rank, at::ScalarType dtype,
+                                                               int64_t hidden = 16) {
+  torch::manual_seed(1);
+  auto ref = mlp();
+  torch::manual_seed(100 + rank);
+  auto local = mlp(hidden);
+  if (rank == 0) copy_params(*local, *ref);
+  ref->to(dtype);
+  local->to(dtype);
+  return {ref, local};
+}
+
+int equivalence(int rank, int world, const std::string& arg) {
+  const auto a = parse_args(arg);
+  Run run;
+  run.dtype = get(a, "dtype", "float") == "bf16" ? at::kBFloat16 : at::kFloat;
+  run.micro = std::stoi(get(a, "micro", "1"));
+  run.bucket_mb = std::stod(get(a, "bucket_mb", "0.0003"));
+  run.rs = get(a, "rs", "auto") == "native" ? ap::ReduceScatter::kNative : ap::ReduceScatter::kAuto;
+  run.inf_step = std::stoi(get(a, "inf_step", "-1"));
+  run.clip = std::stod(get(a, "clip", "0"));
+  run.contiguous = get(a, "contiguous", "0") == "1";
+  const bool scaled = get(a, "scaler", "0") == "1" || run.inf_step >= 0;
+  const int steps = std::stoi(get(a, "steps", "4"));
+  auto pg = join();
+  auto [ref_model, local] = models(rank, run.dtype);
+  Reference ref(ref_model);
+  ap::DistributedFusedAdam opt(dfa_groups(local), dfa_options(run), pg);
+  if (run.rs == ap::ReduceScatter::kNative &&
+      opt.reduce_scatter_algorithm() != ap::ReduceScatter::kNative) {
+    std::cout << "reduce_scatter(kNative) was not taken\n";
+    return 1;
+  }
+  // Bit-identical where the sums run in the same order: the all-to-all reduce-scatter sums in
+  // rank order as the reference does; Gloo's native one is a ring all-reduce (another order),
+  // and the clipping norm is summed in another order than LibTorch's clip_grad_norm_.
+  const bool exact = run.rs != ap::ReduceScatter::kNative && run.clip == 0;
+  std::unique_ptr<apex::amp::GradScaler> scaler;
+  if (scaled) {
+    scaler = std::make_unique<apex::amp::GradScaler>(
+        apex::amp::GradScalerOptions().device(c10::kCPU).init_scale(1024.0));
+  }
+  int bad = 0;
+  int64_t taken = 0;
+  for (int s = 0; s < steps; ++s) {
+    const bool stepped = iteration(rank, world, s, run, local, opt, scaler.get());
+    if (s != run.inf_step) ref.step(world, s, run);
+    taken += stepped ? 1 : 0;
+    if (stepped == (s == run.inf_step)) {
+      std::cout << "step " << s << ": stepped " << stepped << ", expected the opposite\n";
+      ++bad;
+    }
+    bad += same_on_every_rank(*local, pg);
+    bad += compare(local->parameters(), ref.model->parameters(), exact, run.dtype,
+                   "step " + std::to_string(s));
+    if (bad > 0) break;
+  }
+  if (opt.step_count(0) != taken || opt.step_count(1) != taken) {
+    std::cout << "step counts " << opt.step_count(0) << ", " << opt.step_count(1) << "; expected "
+              << taken << "\n";
+    ++bad;
+  }
+  if (scaler) {
+    const auto scales = pg.all_gather(at::full({1}, scaler->get_scale(), at::kDouble));
+    for (const auto& sc : scales) {
+      if (!at::equal(sc, scales[0])) {
+        std::cout << "the loss scales differ between ranks\n";
+        ++bad;
+      }
+    }
+    if (run.inf_step >= 0 && scaler->get_scale() != 512.0) {
+      std::cout << "scale " << scaler->get_scale() << " after one skipped step, expected 512\n";
+      ++bad;
+    }
+  }
+  bad += compare_state(opt, ref, exact);
+  if (bad == 0 && rank == 0) std::cout << (exact ? "bit-identical\n" : "within tolerance\n");
+  return bad == 0 ? 0 : 1;
+}
+const RegisterWorker r_eq("dfa_equivalence", equivalence);
+
+// Checkpoints: `phase=save` trains `steps` steps and saves (sharded, the model on rank 0, and the
+// consolidated state); `phase=load` loads (sharded or consolidated) at this world size, trains
+// on to `steps`, and compares with one process that never stopped.
+int checkpoint(int rank, int world, const std::string& arg) {
+  const auto a = parse_args(arg);
+  const std::string phase = get(a, "phase", "save");
+  const std::string dir = get(a, "dir", "");
+  const std::string how = get(a, "how", "sharded");
+  const int steps = std::stoi(get(a, "steps", "3"));
+  Run run;
+  run.dtype = get(a, "dtype", "float") == "bf16" ? at::kBFloat16 : at::kFloat;
+  auto pg = join();
+  auto [ref_model, local] = models(rank, run.dtype);
+  if (phase == "save") {
+    ap::DistributedFusedAdam opt(dfa_groups(local), dfa_options(run), pg);
+    for (int s = 0; s < steps; ++s) iteration(rank, world, s, run, local, opt, nullptr);
+    opt.save_sharded(dir);
+    const auto cs = opt.consolidated_state_dict();
+    const auto ts = opt.torch_state_dict();
+    if (rank == 0) {
+      apex::save_module(*local, dir + "/model.pt");
+      apex::save_pickle(cs, dir + "/consolidated.pt");
+      apex::save_pickle(ts, dir + "/adamw.pt");
+    }
+    pg.barrier();
+    return 0;
+  }
+  const int start = std::stoi(get(a, "start", "3"));
+  apex::load_module(*local, dir + "/model.pt");
+  ap::DistributedFusedAdam opt(dfa_groups(local), dfa_options(run), pg);
+  if (phase == "corrupt") {
+    // A damaged or foreign checkpoint is refused naming the file, and nothing changes.
+    const auto before = opt.consolidated_state_dict();
+    std::string msg;
+    try {
+      opt.load_sharded(dir);
+    } catch (const c10::Error& e) {
+      msg = e.what_without_backtrace();
+    }
+    const std::string expect = get(a, "expect", "");
+    if (msg.find(expect) == std::string::npos) {
+      std::cout << "the error does not name '" << expect << "': " << msg << "\n";
+      return 1;
+    }
+    const auto after = opt.consolidated_state_dict();
+    const auto b = before.at("state").toGenericDict();
+    const auto f = after.at("state").toGenericDict();
+    for (const auto& kv : b) {
+      const auto d0 = kv.value().toGenericDict();
+      const auto d1 = f.at(kv.key()).toGenericDict();
+      for (const char* k : {"param", "exp_avg", "exp_avg_sq"}) {
+        if (!at::equal(d0.at(k).toTensor(), d1.at(k).toTensor())) {
+          std::cout << "a failed load changed " << k << "\n";
+          return 1;
+        }
+      }
+    }
+    if (opt.step_count(0) != 0) {
+      std::cout << "a failed load changed the step\n";
+      return 1;
+    }
+    std::cout << "refused: " << msg << "\n";
+    return 0;
+  }
+  if (how == "sharded") {
+    opt.load_sharded(dir);
+  } else {
+    opt.load_consolidated_state_dict(apex::load_pickle(dir + "/consolidated.pt").toGenericDict());
+  }
+  if (opt.step_count(0) != start) {
+    std::cout << "loaded step " << opt.step_count(0) << ", expected " << start << "\n";
+    return 1;
+  }
+  // The reference: one process, never interrupted (the first steps at the saving world size).
+  const int saved_world = std::stoi(get(a, "saved_world", "1"));
+  Reference ref(ref_model);
+  int bad = 0;
+  for (int s = 0; s < steps; ++s) {
+    if (s < start) {
+      ref.step(saved_world, s, run);
+      continue;
+    }
+    iteration(rank, world, s, run, local, opt, nullptr);
+    ref.step(world, s, run);
+    bad += compare(local->parameters(), ref.model->parameters(), true, run.dtype,
+                   "resumed step " + std::to_string(s));
+  }
+  bad += compare_state(opt, ref, true);
+  if (bad == 0 && rank == 0) std::cout << "bit-identical to the uninterrupted run\n";
+  return bad == 0 ? 0 : 1;
+}
+const RegisterWorker r_ckpt("dfa_checkpoint", checkpoint);
+
+// The torch.optim.AdamW layout: FusedAdam in one process loads it and continues as the sharded
+// run does.
+int export_adamw(int rank, int world, const std::string& arg) {
+  Run run;
+  auto pg = join();
+  auto [ref_model, local] = models(rank, run.dtype);
+  ap::DistributedFusedAdam opt(dfa_groups(local), dfa_options(run), pg);
+  for (int s = 0; s < 3; ++s) iteration(rank, world, s, run, local, opt, nullptr);
+  const auto sd = opt.torch_state_dict();
+  // The single process starts from the sharded run's weights and its exported state.
+  copy_params(*ref_model, *local);
+  Reference ref(ref_model);
+  ref.opt->load_python_state_dict(sd);
+  int bad = 0;
+  for (int s = 3; s < 5; ++s) {
+    iteration(rank, world, s, run, local, opt, nullptr);
+    ref.step(world, s, run);
+    bad += compare(local->parameters(), ref.model->parameters(), true, run.dtype,
+                   "after export, step " + std::to_string(s));
+  }
+  if (bad == 0 && rank == 0) std::cout << "bit-identical\n";
+  return bad == 0 ? 0 : 1;
+}
+const RegisterWorker r_export("dfa_export", export_adamw);
+
+// Bytes per rank: the state is 12 bytes (fp32 master, exp_avg, exp_avg_sq) and the gradient
+// shard 4 per element of this rank's shard, which is 1/W of the parameters plus padding.
+int memory(int rank, int world, const std::string& arg) {
+  auto pg = join();
+  torch::manual_seed(3);
+  torch::nn::Sequential m(torch::nn::Linear(200, 300), torch::nn::ReLU(),
+                          torch::nn::Linear(300, 50));
+  m->to(at::kBFloat16);
+  const double cap = std::stod(get(parse_args(arg), "bucket_mb", "0.1"));
+  ap::DistributedFusedAdam opt(m->parameters(),
+                               ap::DistributedFusedAdamOptions().bucket_cap_mb(cap), pg);
+  const auto mem = opt.memory();
+  int64_t psi = 0;
+  for (const auto& p : m->parameters()) psi += p.numel();
+  const int64_t buckets_max =
+      static_cast<int64_t>(std::ceil(static_cast<double>(psi) * 4 / (cap * 1024 * 1024))) + 1;
+  int bad = 0;
+  if (mem.params != psi) ++bad;
+  if (mem.state_bytes != 12 * mem.shard_elements) ++bad;
+  if (mem.grad_shard_bytes != 4 * mem.shard_elements) ++bad;
+  const int64_t ideal = (psi + world - 1) / world;
+  if (mem.shard_elements < ideal || mem.shard_elements > ideal + buckets_max * 32) ++bad;
+  // A backward fills the buckets; after the step none of them is alive.
+  const at::Tensor x = randn_seeded({4, 200}, 9).to(at::kBFloat16);
+  m->forward(x).to(at::kFloat).pow(2).mean().backward();
+  for (const auto& p : m->parameters()) {
+    if (p.grad().defined()) {
+      std::cout << "p.grad is still defined after backward\n";
+      ++bad;
+    }
+  }
+  opt.step();
+  if (opt.memory().grad_buffer_bytes != 0) {
+    std::cout << "bucket buffers alive after the step: " << opt.memory().grad_buffer_bytes << "\n";
+    ++bad;
+  }
+  std::cout << "world " << world << ": " << psi << " parameters, shard " << mem.shard_elements
+            << " elements, state " << mem.state_bytes << " B, gradient shard "
+            << mem.grad_shard_bytes
+            << " B: " << static_cast<double>(2 * psi + mem.state_bytes + mem.grad_shard_bytes) / psi
+            << " B/param with the bf16 model (formula 2 + 16/W with fp32 gradient sync: "
+            << 2.0 + 16.0 / world << ")\n";
+  return bad == 0 ? 0 : 1;
+}
+const RegisterWorker r_mem("dfa_memory", memory);
+
+// Faults: ranks with different models, a rank that dies before its step.
+int fault(int rank, int world, const std::string& arg) {
+  const auto a = parse_args(arg);
+  const std::string mode = get(a, "mode", "");
+  auto pg = ap::init_process_group(ap::ProcessGroupOptions().timeout(std::chrono::seconds(8)));
+  auto [ref, local] = models(rank, at::kFloat, mode == "layout" && rank == 1 ? 17 : 16);
+  if (mode == "layout") {
+    try {
+      ap::DistributedFusedAdam opt(local->parameters(), {}, pg);
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      std::cout << msg << "\n";
+      return msg.find("rank 1 has a different layout") != std::string::npos ? 0 : 1;
+    }
+    std::cout << "different layouts were accepted\n";
+    return 1;
+  }
+  ap::DistributedFusedAdam opt(local->parameters(), dfa_options(Run{}), pg);
+  const at::Tensor x = inputs(0, 0).slice(0, 0, 6);
+  at::mse_loss(local->forward(x), targets(0, 0).slice(0, 0, 6)).backward();
+  if (rank == 1) _exit(3);  // dies with its reduce-scatters started
+  try {
+    opt.step();
+  } catch (const c10::Error& e) {
+    std::cout << e.what_without_backtrace() << "\n";
+    return 0;
+  }
+  std::cout << "the step succeeded without rank 1\n";
+  return 1;
+}
+const RegisterWorker r_fault("dfa_fault", fault);
+
+bool all_passed(const std::vector<apex::test::RankResult>& r) {
+  for (const auto& x : r) {
+    if (x.exit_code != 0) return false;
+  }
+  return true;
+}
+
+void run(const std::string& worker, int world, const std::string& arg) {
+  LaunchOptions o;
+  o.world = world;
+  o.arg = arg;
+  const auto r = launch(worker, o);
+  EXPECT_TRUE(all_passed(r)) << worker << " " << arg << " on " << world << " ranks:\n"
+                             << apex::test::describe(r);
+}
+
+std::string fresh_dir(const std::string& name) {
+  const std::string dir =
+      ::testing::TempDir() + "apex_dfa_" + name + "_" + std::to_string(getpid());
+  std::system(("rm -rf '" + dir + "'").c_str());
+  ::mkdir(dir.c_str(), 0755);
+  return dir;
+}
+
+}  // namespace
+
+TEST(DistributedFusedAdam, OneRankIsBitIdenticalToFusedAdam) { run("dfa_equivalence", 1, ""); }
+TEST(DistributedFusedAdam, TwoRanksMatchWholeBatch) { run("dfa_equivalence", 2, ""); }
+TEST(DistributedFusedAdam, ThreeRanksMatchWholeBatch) { run("dfa_equivalence", 3, ""); }
+TEST(DistributedFusedAdam, FourRanksMatchWholeBatch) { run("dfa_equivalence", 4, ""); }
+TEST(DistributedFusedAdam, NativeReduceScatterThreeRanks) {
+  run("dfa_equivalence", 3, "rs=native");
+}
+TEST(DistributedFusedAdam, Bf16ModelWithMastersThreeRanks) {
+  run("dfa_equivalence", 3, "dtype=bf16");
+}
+TEST(DistributedFusedAdam, NoSyncAccumulationOverThreeMicroBatches) {
+  run("dfa_equivalence", 2, "micro=3");
+  run("dfa_equivalence", 3, "micro=3,contiguous=1");
+}
+TEST(DistributedFusedAdam, OneBucket) { run("dfa_equivalence", 2, "bucket_mb=100"); }
+TEST(DistributedFusedAdam, GradScalerInfOnOneRankSkipsEveryRank) {
+  run("dfa_equivalence", 2, "inf_step=1");
+  run("dfa_equivalence", 3, "inf_step=2,dtype=bf16");
+}
+TEST(DistributedFusedAdam, ClipGradNormMatchesWholeBatch) {
+  run("dfa_equivalence", 2, "clip=0.05");
+  run("dfa_equivalence", 3, "clip=0.05,scaler=1");
+}
+
+TEST(DistributedFusedAdam, ShardedCheckpointsLoadAtAnyWorldSize) {
+  for (const auto& [n, m] : std::vector<std::pair<int, int>>{{2, 1}, {1, 2}, {2, 3}, {3, 2}}) {
+    for (const char* dtype : {"float", "bf16"}) {
+      const std::string dir = fresh_dir("reshard");
+      run("dfa_checkpoint", n, std::string("phase=save,dtype=") + dtype + ",dir=" + dir);
+      run("dfa_checkpoint", m,
+          "phase=load,steps=5,start=3,saved_world=" + std::to_string(n) + ",dtype=" + dtype +
+              ",dir=" + dir);
+      std::system(("rm -rf '" + dir + "'").c_str());
+    }
+  }
+}
+
+TEST(DistributedFusedAdam, ConsolidatedStateLoadsAtAnotherWorldSize) {
+  const std::string dir = fresh_dir("consolidated");
+  run("dfa_checkpoint", 2, "phase=save,dtype=bf16,dir=" + dir);
+  run("dfa_checkpoint", 3,
+      "phase=load,how=consolidated,steps=5,start=3,saved_world=2,dtype=bf16,dir=" + dir);
+  std::system(("rm -rf '" + dir + "'").c_str());
+}
+
+TEST(DistributedFusedAdam, TorchAdamWLayoutContinuesInFusedAdam) {
+  run("dfa_export", 1, "");
+  run("dfa_export", 2, "");
+}
+
+TEST(DistributedFusedAdam, DamagedShardsAreRefusedNamingTheFile) {
+  const std::string dir = fresh_dir("corrupt");
+  run("dfa_checkpoint", 2, "phase=save,dir=" + dir);
+  // A flipped byte in rank 1's shard.
+  {
+    const std::string path = dir + "/shard-1-of-2.pt";
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(0, std::ios::end);
+    const auto size = static_cast<std::streamoff>(f.tellg());
+    f.seekg(size / 2);
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x5a);
+    f.seekp(size / 2);
+    f.write(&c, 1);
+  }
+  run("dfa_checkpoint", 3, "phase=corrupt,expect=shard-1-of-2.pt,dir=" + dir);
+  // A missing shard.
+  std::remove((dir + "/shard-1-of-2.pt").c_str());
+  run("dfa_checkpoint", 2, "phase=corrupt,expect=shard-1-of-2.pt,dir=" + dir);
+  // A shard of another save.
+  run("dfa_checkpoint", 2, "phase=save,dir=" + dir);
+  const std::string other = fresh_dir("corrupt_other");
+  run("dfa_checkpoint", 2, "phase=save,dir=" + other);
+  std::rename((other + "/shard-0-of-2.pt").c_str(), (dir + "/shard-0-of-2.pt").c_str());
+  run("dfa_checkpoint", 2, "phase=corrupt,expect=another save,dir=" + dir);
+  std::system(("rm -rf '" + dir + "' '" + other + "'").c_str());
+}
+
+TEST(DistributedFusedAdam, StateBytesPerRankFollowTheFormula) {
+  for (int w = 1; w <= 4; ++w) run("dfa_memory", w, "");
+}
+
+TEST(DistributedFusedAdam, DifferentLayoutsAreRefusedNamingTheRank) {
+  run("dfa_fault", 2, "mode=layout");
+}
+
+TEST(DistributedFusedAdam, DeadRankFailsTheOthersWithinTheTimeout) {
+  LaunchOptions o;
+  o.world = 2;
+  o.arg = "mode=dead";
+  o.deadline_s = 40;
+  const auto r = launch("dfa_fault", o);
+  EXPECT_EQ(r[0].exit_code, 0) << apex::test::describe(r);
+  EXPECT_LT(r[0].seconds, 30) << apex::test::describe(r);
+  EXPECT_NE(r[0].output.find("DistributedFusedAdam"), std::string::npos) << apex::test::describe(r);
+}
