@@ -597,6 +597,53 @@ TEST_F(TrainFiles, CheckpointsResumeOnAnotherWorldSize) {
   EXPECT_NE(d.out.find("other execution settings (threads 1 -> 2)"), std::string::npos) << d.out;
 }
 
+// --zero (ZeRO-2: DistributedFusedAdam) trains as DDP + FusedAdam does, its sharded checkpoint
+// resumes at another world size, and what it does not run is refused before training.
+TEST_F(TrainFiles, ZeroTrainsAsDdpAndResumesOnAnotherWorldSize) {
+  const std::string common = std::string(APEX_TRAIN_EXE) +
+                             " --no-progress --model mlp --nproc 2 --steps 6 --log-every 2 "
+                             "--batch-size 8 --train-size 192 --test-size 32 --threads 1 ";
+  const Proc a = run(common + "--opt-level fp32 --metrics " + path("ddp.jsonl"));
+  ASSERT_EQ(a.status, 0) << a.out;
+  const Proc b =
+      run(common + "--opt-level fp32 --zero --bucket-cap-mb 0.01 --metrics " + path("zero.jsonl"));
+  ASSERT_EQ(b.status, 0) << b.out;
+  EXPECT_NE(b.out.find("of Adam state and"), std::string::npos) << b.out;
+  std::istringstream ia(step_lines(path("ddp.jsonl"))), ib(step_lines(path("zero.jsonl")));
+  int records = 0;
+  for (std::string x, y; std::getline(ia, x) && std::getline(ib, y); ++records) {
+    const double lx = apex::train::json::get_number(x, "loss");
+    const double ly = apex::train::json::get_number(y, "loss");
+    EXPECT_NEAR(lx, ly, 1e-5 * std::abs(lx)) << x << "\n" << y;
+  }
+  EXPECT_EQ(records, 3);
+  EXPECT_GT(apex::train::summary_from_json(read_text(path("zero.jsonl"))).optimizer_state_mb, 0);
+  // O1 (autocast) runs; O2 is refused with the reason.
+  const Proc o1 = run(common + "--opt-level O1 --zero");
+  EXPECT_EQ(o1.status, 0) << o1.out;
+  const Proc o2 = run(common + "--opt-level O2 --zero");
+  EXPECT_NE(o2.status, 0);
+  EXPECT_NE(o2.out.find("--zero runs fp32, O0 and O1"), std::string::npos) << o2.out;
+  // Saved by two ranks, resumed by three, deliberately (the global batch changes).
+  const std::string ck =
+      common + "--opt-level fp32 --zero --checkpoint-every 2 --checkpoint " + path("ck") + " ";
+  const Proc s = run(ck + "--stop-after 4");
+  ASSERT_EQ(s.status, 0) << s.out;
+  EXPECT_TRUE(fs::exists(path("ck") + "/step-4/zero/shard-1-of-2.pt"));
+  const std::string three = std::string(APEX_TRAIN_EXE) +
+                            " --no-progress --model mlp --nproc 3 --steps 6 --log-every 2 "
+                            "--batch-size 8 --train-size 192 --test-size 32 --threads 1 "
+                            "--opt-level fp32 --checkpoint " +
+                            path("ck") + " --resume --resume-with-changes";
+  const Proc without = run(three);
+  EXPECT_NE(without.status, 0);
+  EXPECT_NE(without.out.find("resume with --zero"), std::string::npos) << without.out;
+  const Proc r = run(three + " --zero");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(read_text(path("ck") + "/latest"), "step-6\n");
+  EXPECT_TRUE(fs::exists(path("ck") + "/step-6/zero/shard-2-of-3.pt"));
+}
+
 // The data-parallel shards: disjoint across ranks, every sample once per epoch, reshuffled per
 // epoch from the seed alone.
 TEST(TrainData, DistributedShardsCoverEachEpochOnce) {

@@ -78,7 +78,8 @@ std::vector<std::pair<std::string, std::string>> run_settings(const TrainOptions
 // computes differently), which the resume says. Absent from older checkpoints.
 std::vector<std::pair<std::string, std::string>> execution_settings(const TrainOptions& o) {
   return {{"device", json::quote(c10::DeviceTypeName(o.device.type(), /*lower_case=*/true))},
-          {"threads", std::to_string(at::get_num_threads())}};
+          {"threads", std::to_string(at::get_num_threads())},
+          {"zero", o.zero ? "true" : "false"}};
 }
 
 constexpr int64_t kCheckpointFormat = 2;
@@ -109,6 +110,7 @@ struct Checkpoint {
   std::string run;
   json::Object meta;
   bool has_amp = false;
+  bool has_zero = false;  ///< a sharded optimizer (zero/) instead of optimizer.pt
 };
 
 // Checks `folder` completely (manifest, every file's size and CRC-32, meta.json's fields and
@@ -136,9 +138,12 @@ Checkpoint verify_checkpoint(const fs::path& folder) {
               " (files of different checkpoints mixed?)");
   for (const auto& [name, field] : manifest) {
     if (name == "format" || name == "step" || name == "run") continue;
-    TORCH_CHECK(
-        name == "model.pt" || name == "optimizer.pt" || name == "amp.pt" || name == "meta.json",
-        mwhat, ": unexpected entry \"", name, "\"");
+    const bool shard = name.rfind("zero/", 0) == 0 && name.find('/', 5) == std::string::npos &&
+                       name.find("..") == std::string::npos && name.size() > 5;
+    TORCH_CHECK(name == "model.pt" || name == "optimizer.pt" || name == "amp.pt" ||
+                    name == "meta.json" || shard,
+                mwhat, ": unexpected entry \"", name, "\"");
+    ck.has_zero = ck.has_zero || shard;
     const std::string want = json::string_at(manifest, name, mwhat);
     const fs::path file = folder / name;
     TORCH_CHECK(fs::exists(file, ec), where, ": ", name, " is missing (listed in the manifest)");
@@ -148,7 +153,8 @@ Checkpoint verify_checkpoint(const fs::path& folder) {
                 "): the file is corrupted, or comes from another step or run");
     ck.has_amp = ck.has_amp || name == "amp.pt";
   }
-  for (const char* name : {"model.pt", "optimizer.pt", "meta.json"}) {
+  for (const char* name :
+       {"model.pt", ck.has_zero ? "zero/manifest.pt" : "optimizer.pt", "meta.json"}) {
     TORCH_CHECK(manifest.count(name) == 1, mwhat, ": the entry for ", name, " is missing");
   }
   const std::string meta_path = (folder / "meta.json").string();
@@ -260,7 +266,7 @@ std::string new_run_id() {
 
 void save_checkpoint(const TrainOptions& o, int64_t world, int64_t step, const std::string& run,
                      torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                     apex::amp::Amp* amp) {
+                     apex::amp::Amp* amp, const std::string& shards) {
   const fs::path dir(o.checkpoint);
   const fs::path tmp = dir / (".tmp-step-" + std::to_string(step));
   const fs::path final_dir = dir / ("step-" + std::to_string(step));
@@ -268,9 +274,20 @@ void save_checkpoint(const TrainOptions& o, int64_t world, int64_t step, const s
     fs::create_directories(dir);
     fs::remove_all(tmp);
     fs::create_directories(tmp);
-    std::vector<std::string> files = {"model.pt", "optimizer.pt"};
+    std::vector<std::string> files = {"model.pt"};
     apex::save_module(model, (tmp / "model.pt").string());
-    apex::save_optimizer(optimizer, (tmp / "optimizer.pt").string());
+    if (shards.empty()) {
+      apex::save_optimizer(optimizer, (tmp / "optimizer.pt").string());
+      files.push_back("optimizer.pt");
+    } else {
+      fs::rename(shards, tmp / "zero");
+      std::vector<std::string> names;
+      for (const auto& e : fs::directory_iterator(tmp / "zero")) {
+        names.push_back("zero/" + e.path().filename().string());
+      }
+      std::sort(names.begin(), names.end());
+      files.insert(files.end(), names.begin(), names.end());
+    }
     if (amp != nullptr) {
       amp->save((tmp / "amp.pt").string());
       files.push_back("amp.pt");
@@ -310,6 +327,27 @@ void save_checkpoint(const TrainOptions& o, int64_t world, int64_t step, const s
     const std::string name = entry.path().filename().string();
     if (name.rfind("step-", 0) == 0 && entry.path() != final_dir) fs::remove_all(entry.path());
   }
+}
+
+std::string save_zero_shards(const TrainOptions& o, int64_t step,
+                             apex::parallel::DistributedFusedAdam& optimizer) {
+  const auto& pg = optimizer.process_group();
+  const fs::path stage = fs::path(o.checkpoint) / (".zero-step-" + std::to_string(step));
+  std::string error;
+  if (pg.rank() == 0) {
+    try {
+      fs::create_directories(o.checkpoint);
+      fs::remove_all(stage);
+      fs::create_directories(stage);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  const auto all = pg.all_gather_string(error);
+  TORCH_CHECK(all[0].empty(), "apex-train: saving checkpoint to ", o.checkpoint,
+              " failed: ", all[0]);
+  optimizer.save_sharded(stage.string());
+  return stage.string();
 }
 
 // Returns the step to continue from, and the run's id in `run`.
@@ -363,6 +401,9 @@ int64_t load_checkpoint(const TrainOptions& o, int64_t world, torch::nn::Module&
   TORCH_CHECK(theirs == ours, who, "checkpoint ", ck.folder.string(),
               " was written by another run (", theirs.substr(0, theirs.find(" params=")),
               "), this run is ", ours.substr(0, ours.find(" params=")));
+  TORCH_CHECK(ck.has_zero == o.zero, who, ck.folder.string(),
+              ck.has_zero ? " holds a sharded optimizer (written with --zero): resume with --zero"
+                          : " holds an unsharded optimizer: resume without --zero");
   TORCH_CHECK(ck.has_amp == (amp != nullptr), who, ck.folder.string(),
               ck.has_amp ? " holds an amp state this run has no use for"
                          : " has no amp state, which this run needs");
@@ -398,7 +439,12 @@ int64_t load_checkpoint(const TrainOptions& o, int64_t world, torch::nn::Module&
                  executed.c_str());
   }
   apex::load_module(model, (ck.folder / "model.pt").string());
-  apex::load_optimizer(optimizer, (ck.folder / "optimizer.pt").string());
+  auto* zero = dynamic_cast<apex::parallel::DistributedFusedAdam*>(&optimizer);
+  if (zero != nullptr) {
+    zero->load_sharded((ck.folder / "zero").string());
+  } else {
+    apex::load_optimizer(optimizer, (ck.folder / "optimizer.pt").string());
+  }
   if (amp != nullptr) amp->load((ck.folder / "amp.pt").string());
   run = ck.run;
   return ck.step;

@@ -182,6 +182,8 @@ distributed (Gloo over TCP; docs/distributed.md)
                         batch (--batch-size is per rank), gradients averaged by DDP
   --nproc N             start N local ranks itself (on 127.0.0.1) and train with --ddp
   --sync-bn             resnet: BatchNorm statistics over every rank's batch (SyncBatchNorm)
+  --zero                ZeRO-2 with --ddp/--nproc: Adam's state and the gradients sharded over
+                        the ranks (DistributedFusedAdam); fp32, O0 or O1 (autocast + GradScaler)
   --bucket-cap-mb X     DDP's gradient bucket size in MiB, the first bucket's too, as Python
                         DDP's bucket_cap_mb (default 25, first bucket 1): small buckets let a
                         small model's all-reduce start while backward still runs
@@ -209,7 +211,7 @@ Cli parse_cli(const std::vector<std::string>& args) {
       continue;
     }
     if (flag == "--resume" || flag == "--no-progress" || flag == "--ddp" || flag == "--sync-bn" ||
-        flag == "--resume-with-changes") {
+        flag == "--resume-with-changes" || flag == "--zero") {
       if (flag == "--resume") {
         o.resume = true;
       } else if (flag == "--resume-with-changes") {
@@ -218,6 +220,8 @@ Cli parse_cli(const std::vector<std::string>& args) {
         o.ddp = true;
       } else if (flag == "--sync-bn") {
         o.sync_bn = true;
+      } else if (flag == "--zero") {
+        o.zero = true;
       } else {
         o.progress = false;
       }
@@ -382,6 +386,11 @@ Cli parse_cli(const std::vector<std::string>& args) {
               "apex-train: --bucket-cap-mb needs --ddp (under torchrun) or --nproc N");
   TORCH_CHECK(!o.sync_bn || o.ddp || cli.nproc > 0,
               "apex-train: --sync-bn needs --ddp (under torchrun) or --nproc N");
+  TORCH_CHECK(!o.zero || o.ddp || cli.nproc > 0,
+              "apex-train: --zero needs --ddp (under torchrun) or --nproc N");
+  TORCH_CHECK(!o.zero || o.optimizer == "fused-adam" || o.optimizer == "adam",
+              "apex-train: --zero shards Adam (apex::parallel::DistributedFusedAdam); --optimizer ",
+              o.optimizer, " is not sharded (use fused-adam)");
   TORCH_CHECK(!(o.ddp && cli.nproc > 0),
               "apex-train: give either --ddp (under torchrun) or "
               "--nproc N (apex-train starts the ranks itself), not both");

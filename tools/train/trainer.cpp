@@ -3,10 +3,13 @@
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/cross_entropy_loss.h>
+#include <apex/amp/autocast.h>
+#include <apex/amp/grad_scaler.h>
 #include <apex/amp/initialize.h>
 #include <apex/io.h>
 #include <apex/optim.h>
 #include <apex/parallel/distributed.h>
+#include <apex/parallel/distributed_fused_adam.h>
 #include <apex/parallel/distributed_sampler.h>
 #include <apex/parallel/process_group.h>
 #include <apex/serialize.h>
@@ -277,7 +280,11 @@ Summary train(const TrainOptions& o, const Split& data) {
   TORCH_CHECK(data.train.size() > 0 && data.test.size() > 0,
               "apex-train: the data has an empty train or test split");
   if (o.threads > 0) at::set_num_threads(o.threads);
-  const bool plain = o.opt_level == "fp32";
+  TORCH_CHECK(!o.zero || o.opt_level == "fp32" || o.opt_level == "O0" || o.opt_level == "O1",
+              "apex-train: --zero runs fp32, O0 and O1 (autocast + GradScaler); at ", o.opt_level,
+              " amp keeps its own fp32 masters, which the sharded optimizer does not take yet");
+  // --zero keeps amp out: O1 is autocast around the forward and, for fp16, a GradScaler.
+  const bool plain = o.opt_level == "fp32" || o.zero;
   // Data-parallel: every rank trains on its shard of each global batch of batch_size * world.
   std::optional<apex::parallel::ProcessGroup> pg;
   if (o.ddp && o.device.is_cuda()) {
@@ -317,7 +324,25 @@ Summary train(const TrainOptions& o, const Split& data) {
   mc.sync_bn = o.sync_bn;
   std::shared_ptr<Classifier> model = make_model(mc, data.train, o.seed);
   model->to(o.device);
-  std::unique_ptr<torch::optim::Optimizer> optimizer = make_optimizer(o, model->parameters());
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  apex::parallel::DistributedFusedAdam* zero = nullptr;
+  std::optional<apex::amp::GradScaler> scaler;
+  const bool autocast = o.zero && o.opt_level == "O1";
+  if (o.zero) {
+    auto dfa = std::make_unique<apex::parallel::DistributedFusedAdam>(
+        model->parameters(),
+        apex::parallel::DistributedFusedAdamOptions(o.lr)
+            .weight_decay(o.weight_decay)
+            .bucket_cap_mb(o.bucket_cap_mb > 0 ? o.bucket_cap_mb : 100.0),
+        *pg);
+    zero = dfa.get();
+    optimizer = std::move(dfa);
+    if (autocast && o.half_dtype == at::kHalf) {
+      scaler.emplace(apex::amp::GradScalerOptions().device(o.device.type()));
+    }
+  } else {
+    optimizer = make_optimizer(o, model->parameters());
+  }
   std::optional<apex::amp::Amp> amp;
   if (!plain) {
     apex::amp::Options ao(apex::amp::parse_opt_level(o.opt_level));
@@ -334,13 +359,17 @@ Summary train(const TrainOptions& o, const Split& data) {
   // After initialize (DDP reduces the gradients of the parameters as amp cast them).
   using Ddp = apex::parallel::DistributedDataParallel<std::shared_ptr<Classifier>>;
   std::optional<Ddp> ddp;
-  if (pg) {
+  if (pg && !o.zero) {
     apex::parallel::DistributedDataParallelOptions ddp_options;
     if (o.bucket_cap_mb > 0)
       ddp_options.bucket_cap_mb(o.bucket_cap_mb).first_bucket_mb(o.bucket_cap_mb);
     ddp.emplace(model, ddp_options, *pg);
   }
   const auto forward = [&](const at::Tensor& x) {
+    if (autocast) {
+      const apex::amp::AutocastGuard guard(o.device.type(), o.half_dtype);
+      return model->forward(x);
+    }
     if (ddp) return ampp ? ampp->forward(*ddp, x) : (*ddp)->forward(x);
     return ampp ? ampp->forward(model, x) : model->forward(x);
   };
@@ -397,6 +426,8 @@ Summary train(const TrainOptions& o, const Split& data) {
         // Micro-batches before the last only accumulate: DDP reduces once per step.
         std::optional<apex::parallel::NoSyncGuard> no_sync;
         if (ddp && micro + 1 < o.accumulate) no_sync.emplace(*ddp);
+        std::optional<apex::parallel::DistributedFusedAdam::NoSync> zero_no_sync;
+        if (zero != nullptr && micro + 1 < o.accumulate) zero_no_sync.emplace(*zero);
         const at::Tensor logits = forward(x);
         at::Tensor loss = at::cross_entropy_loss(logits.to(at::kFloat), y);
         window_loss += loss.detach() / static_cast<double>(o.accumulate);
@@ -405,15 +436,23 @@ Summary train(const TrainOptions& o, const Split& data) {
           ampp->scale_loss(loss, 0,
                            apex::amp::ScaleLossOptions().delay_unscale(micro + 1 < o.accumulate))
               .backward();
+        } else if (scaler) {
+          scaler->scale(loss).backward();
         } else {
           loss.backward();
         }
       }
-      if (o.clip > 0) {
+      if (o.clip > 0 && zero != nullptr) {
+        if (scaler) scaler->unscale_(*zero);
+        zero->clip_grad_norm(o.clip);
+      } else if (o.clip > 0) {
         apex::optim::clip_grad_norm_(ampp ? ampp->master_params() : model->parameters(), o.clip);
       }
       if (ampp) {
         ampp->step();
+      } else if (scaler) {
+        scaler->step(*zero);
+        scaler->update();
       } else {
         optimizer->step();
       }
@@ -446,7 +485,7 @@ Summary train(const TrainOptions& o, const Split& data) {
           window_loss.copy_(all / static_cast<double>(world));
         }
         r.loss = window_loss.item<double>() / static_cast<double>(window_steps);
-        r.loss_scale = ampp ? ampp->loss_scale() : 1.0;
+        r.loss_scale = ampp ? ampp->loss_scale() : scaler ? scaler->get_scale() : 1.0;
         r.lr = lr;
         r.elapsed_s = seconds_since(t0);
         r.samples_per_s = static_cast<double>(window_steps * per_step) /
@@ -481,7 +520,11 @@ Summary train(const TrainOptions& o, const Split& data) {
                     step + 1, " at ", o.opt_level,
                     ": training diverged (no checkpoint written); lower --lr (", o.lr, ")");
         // Rank 0 writes (every rank holds the same state); the others wait for it.
-        if (rank == 0) save_checkpoint(o, world, step + 1, run_id, *model, *optimizer, ampp);
+        std::string shards;
+        if (zero != nullptr) shards = save_zero_shards(o, step + 1, *zero);
+        if (rank == 0) {
+          save_checkpoint(o, world, step + 1, run_id, *model, *optimizer, ampp, shards);
+        }
         if (pg) pg->barrier();
       }
       if (interrupted) {
@@ -515,6 +558,19 @@ Summary train(const TrainOptions& o, const Split& data) {
   s.skipped_steps = ampp ? ampp->skipped_steps() : 0;
   s.loss_scale = ampp ? ampp->loss_scale() : 1.0;
   s.peak_rss_mb = peak_rss_mb();
+  if (zero != nullptr) {
+    const auto mem = zero->memory();
+    s.optimizer_state_mb = static_cast<double>(mem.state_bytes + mem.grad_shard_bytes) / 1048576.0;
+    if (rank == 0) {
+      std::printf(
+          "apex-train: --zero: %.2f MiB of Adam state and %.2f MiB of gradients per rank "
+          "(%lld ranks; %.2f B per parameter)\n",
+          static_cast<double>(mem.state_bytes) / 1048576.0,
+          static_cast<double>(mem.grad_shard_bytes) / 1048576.0, static_cast<long long>(world),
+          static_cast<double>(mem.state_bytes + mem.grad_shard_bytes) /
+              static_cast<double>(std::max<int64_t>(1, mem.params)));
+    }
+  }
   if (metrics != nullptr) {
     std::FILE* f = std::exchange(metrics, nullptr);
     const bool written = std::fputs((to_json(s) + "\n").c_str(), f) >= 0;
@@ -536,7 +592,9 @@ std::string to_json(const Summary& s) {
       << ", \"test_accuracy\": " << json::num(s.test_accuracy)
       << ", \"skipped_steps\": " << s.skipped_steps
       << ", \"loss_scale\": " << json::num(s.loss_scale)
-      << ", \"peak_rss_mb\": " << json::num(s.peak_rss_mb) << ", \"world_size\": " << s.world_size
+      << ", \"peak_rss_mb\": " << json::num(s.peak_rss_mb)
+      << ", \"optimizer_state_mb\": " << json::num(s.optimizer_state_mb)
+      << ", \"world_size\": " << s.world_size
       << ", \"ddp_backward_compute_ms\": " << json::num(s.ddp_backward_compute_ms)
       << ", \"ddp_backward_comm_ms\": " << json::num(s.ddp_backward_comm_ms)
       << ", \"ddp_overlap_ms\": " << json::num(s.ddp_overlap_ms)
@@ -558,6 +616,7 @@ Summary summary_from_json(const std::string& line) {
   s.skipped_steps = static_cast<int64_t>(json::get_number(line, "skipped_steps"));
   s.loss_scale = json::get_number(line, "loss_scale");
   s.peak_rss_mb = json::get_number(line, "peak_rss_mb");
+  s.optimizer_state_mb = json::get_number(line, "optimizer_state_mb");
   s.world_size = static_cast<int64_t>(json::get_number(line, "world_size"));
   s.ddp_backward_compute_ms = json::get_number(line, "ddp_backward_compute_ms");
   s.ddp_backward_comm_ms = json::get_number(line, "ddp_backward_comm_ms");

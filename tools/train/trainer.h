@@ -59,6 +59,9 @@ struct TrainOptions {
   bool progress = true;    ///< progress bar on a terminal, lines otherwise
   bool ddp = false;        ///< data-parallel in the environment's process group (torchrun's)
   bool sync_bn = false;    ///< resnet: SyncBatchNorm instead of BatchNorm (needs ddp)
+  /// ZeRO-2: apex::parallel::DistributedFusedAdam shards the optimizer state and gradients over
+  /// the ranks (needs ddp, Adam, fp32/O0/O1).
+  bool zero = false;
   /// DDP's bucket size in MiB, the first bucket's too, as Python DDP's bucket_cap_mb (0: the
   /// defaults, 25 MiB and a first bucket of 1 MiB).
   double bucket_cap_mb = 0;
@@ -89,6 +92,8 @@ struct Summary {
   int64_t skipped_steps = 0;
   double loss_scale = 1;
   double peak_rss_mb = 0;  ///< the process's high-water mark (VmHWM)
+  /// Bytes of optimizer state (and, with --zero, the gradient shard) this rank holds.
+  double optimizer_state_mb = 0;
   int64_t rank = 0;        ///< this process's rank (only rank 0's summary is complete)
   int64_t world_size = 1;  ///< ranks that trained (samples and samples/s are summed over them)
   /// DDP runs: c10d's Logger averages (its sampled iterations) of rank 0's backward compute, its
