@@ -68,6 +68,53 @@ int listen_on(const std::string& host, int port) {
               " (another job on this port? pick a free MASTER_PORT)");
 }
 
+// The addresses this host's name resolves to (what Gloo advertises without GLOO_SOCKET_IFNAME),
+// or empty when it does not resolve.
+std::vector<std::string> hostname_addresses(std::string& name) {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0) return {};
+  name = buf;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(buf, nullptr, &hints, &found) != 0) return {};
+  std::vector<std::string> out;
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    char ip[INET6_ADDRSTRLEN] = {};
+    const void* src =
+        a->ai_family == AF_INET
+            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr)
+            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr);
+    if (inet_ntop(a->ai_family, src, ip, sizeof(ip)) != nullptr) out.emplace_back(ip);
+  }
+  freeaddrinfo(found);
+  return out;
+}
+
+// A job whose store is not on loopback spans machines (unless torchrun says all ranks are local):
+// Gloo, without GLOO_SOCKET_IFNAME, advertises the address this host's name resolves to, and when
+// that is loopback the other machines cannot reach this rank (rank 0 then waits for the whole
+// timeout). Refused on every rank before anything connects.
+void check_gloo_interface(const std::string& addr, int64_t rank, int64_t world, const char* who) {
+  if (world == 1 || is_loopback(addr) || env("GLOO_SOCKET_IFNAME")) return;
+  const auto local = env("LOCAL_WORLD_SIZE");
+  if (local && *local == std::to_string(world)) return;  // torchrun: one machine
+  std::string name;
+  const auto addrs = hostname_addresses(name);
+  if (addrs.empty()) return;  // Gloo's own error names it
+  for (const auto& a : addrs) {
+    if (!is_loopback(a)) return;
+  }
+  TORCH_CHECK(false, who, ": rank ", rank, " of ", world, ": MASTER_ADDR is ", addr,
+              ", so the ranks may be on several machines, but this host's name '", name,
+              "' resolves to ", addrs.front(),
+              " (loopback), which Gloo would give the other ranks as this rank's address; set "
+              "GLOO_SOCKET_IFNAME to the network interface that reaches ",
+              addr, " (`ip route get ", addr,
+              "` names it), or GLOO_SOCKET_IFNAME=lo when every rank is on this machine");
+}
+
 std::mutex default_mutex;
 ProcessGroup default_group;  // guarded by default_mutex
 
@@ -491,6 +538,8 @@ ProcessGroup init_process_group(const ProcessGroupOptions& o) {
   rv.agent = agent;
   rv.backend = backend;
   rv.timeout = o.timeout();
+  if (backend == Backend::kGloo || detail::have_gloo())
+    check_gloo_interface(addr, rank, world, who);
   if (world > 1) install_terminate_handler(rank, world);
   const Connected c = connect_within_deadline(rv);
   state->store = c.store;

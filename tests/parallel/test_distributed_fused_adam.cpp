@@ -9,6 +9,9 @@
 #include <torch/autograd.h>
 #include <torch/nn.h>
 
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -499,6 +502,18 @@ const RegisterWorker r_mem("dfa_memory", memory);
 int fault(int rank, int world, const std::string& arg) {
   const auto a = parse_args(arg);
   const std::string mode = get(a, "mode", "");
+  if (mode == "ifname") {
+    // A store on a non-loopback address: refused before anything connects.
+    try {
+      ap::init_process_group(ap::ProcessGroupOptions().timeout(std::chrono::seconds(20)));
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      std::cout << msg << "\n";
+      return msg.find("set GLOO_SOCKET_IFNAME") != std::string::npos ? 0 : 1;
+    }
+    std::cout << "the group formed\n";
+    return 1;
+  }
   auto pg = ap::init_process_group(ap::ProcessGroupOptions().timeout(std::chrono::seconds(8)));
   auto [ref, local] = models(rank, at::kFloat, mode == "layout" && rank == 1 ? 17 : 16);
   if (mode == "layout") {
@@ -638,6 +653,35 @@ TEST(DistributedFusedAdam, StateBytesPerRankFollowTheFormula) {
 
 TEST(DistributedFusedAdam, DifferentLayoutsAreRefusedNamingTheRank) {
   run("dfa_fault", 2, "mode=layout");
+}
+
+// Several machines: Gloo advertises the address this host's name resolves to; when that is
+// loopback and MASTER_ADDR is not, every rank fails at once naming GLOO_SOCKET_IFNAME (rank 0
+// used to wait for the whole timeout).
+TEST(MultiNode, LoopbackHostnameWithoutInterfaceFailsFastOnEveryRank) {
+  char name[256] = {};
+  ASSERT_EQ(gethostname(name, sizeof(name) - 1), 0);
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  ASSERT_EQ(getaddrinfo(name, nullptr, &hints, &found), 0) << name;
+  bool loopback = true;
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    loopback = loopback && a->ai_family == AF_INET &&
+               (ntohl(reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr.s_addr) >> 24) == 127;
+  }
+  freeaddrinfo(found);
+  if (!loopback) GTEST_SKIP() << "this host's name resolves to a routable address";
+  LaunchOptions o;
+  o.world = 2;
+  o.arg = "mode=ifname";
+  o.deadline_s = 30;
+  o.env = {{"MASTER_ADDR", "10.77.0.9"}};
+  const auto r = launch("dfa_fault", o);
+  for (const auto& x : r) {
+    EXPECT_EQ(x.exit_code, 0) << apex::test::describe(r);
+    EXPECT_LT(x.seconds, 5) << apex::test::describe(r);
+  }
 }
 
 TEST(DistributedFusedAdam, DeadRankFailsTheOthersWithinTheTimeout) {
