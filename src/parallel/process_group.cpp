@@ -329,7 +329,11 @@ class QuietC10Logs {
   QuietC10Logs() : saved_(FLAGS_caffe2_log_level) {
     if (!env("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = 3;  // fatal only
   }
-  ~QuietC10Logs() { FLAGS_caffe2_log_level = saved_; }
+  // Restored only after a rendezvous that completed: after a deadline the connecting thread
+  // still runs (detached) and would log its retries while the error unwinds.
+  ~QuietC10Logs() {
+    if (!std::uncaught_exceptions()) FLAGS_caffe2_log_level = saved_;
+  }
   QuietC10Logs(const QuietC10Logs&) = delete;
   QuietC10Logs& operator=(const QuietC10Logs&) = delete;
 

@@ -4,6 +4,7 @@
 // they agree within the fp32 (or bf16) row of the tolerance table.
 #include <apex/amp/grad_scaler.h>
 #include <apex/optim/fused_adam.h>
+#include <apex/optim/fused_lamb.h>
 #include <apex/parallel.h>
 #include <apex/serialize.h>
 #include <torch/autograd.h>
@@ -76,6 +77,29 @@ std::vector<torch::optim::OptimizerParamGroup> adam_groups(const std::vector<at:
                          apex::optim::FusedAdamOptions(0.01).weight_decay(0.1))),
           torch::optim::OptimizerParamGroup(rest, std::make_unique<apex::optim::FusedAdamOptions>(
                                                       apex::optim::FusedAdamOptions(0.02)))};
+}
+
+std::vector<torch::optim::OptimizerParamGroup> lamb_groups(const std::vector<at::Tensor>& ps) {
+  std::vector<at::Tensor> first(ps.begin(), ps.begin() + 2);
+  std::vector<at::Tensor> rest(ps.begin() + 2, ps.end());
+  return {torch::optim::OptimizerParamGroup(
+              first, std::make_unique<apex::optim::FusedLAMBOptions>(
+                         apex::optim::FusedLAMBOptions(0.01).weight_decay(0.1))),
+          torch::optim::OptimizerParamGroup(
+              rest, std::make_unique<apex::optim::FusedLAMBOptions>(
+                        apex::optim::FusedLAMBOptions(0.02).weight_decay(0.0)))};
+}
+
+std::vector<torch::optim::OptimizerParamGroup> dflamb_groups(torch::nn::Sequential& m) {
+  auto ps = m->parameters();
+  std::vector<at::Tensor> first(ps.begin(), ps.begin() + 2);
+  std::vector<at::Tensor> rest(ps.begin() + 2, ps.end());
+  return {torch::optim::OptimizerParamGroup(
+              first, std::make_unique<ap::DistributedFusedLAMBOptions>(
+                         ap::DistributedFusedLAMBOptions(0.01).weight_decay(0.1))),
+          torch::optim::OptimizerParamGroup(
+              rest, std::make_unique<ap::DistributedFusedLAMBOptions>(
+                        ap::DistributedFusedLAMBOptions(0.02).weight_decay(0.0)))};
 }
 
 std::vector<torch::optim::OptimizerParamGroup> dfa_groups(torch::nn::Sequential& m) {
@@ -156,14 +180,18 @@ ap::DistributedFusedAdamOptions dfa_options(const Run& run) {
 struct Reference {
   torch::nn::Sequential model;
   std::vector<at::Tensor> master;
-  std::unique_ptr<apex::optim::FusedAdam> opt;
+  std::unique_ptr<apex::optim::FusedOptimizer> opt;
 
-  Reference(torch::nn::Sequential m) : model(std::move(m)) {
+  explicit Reference(torch::nn::Sequential m, bool lamb = false) : model(std::move(m)) {
     for (const auto& p : model->parameters()) {
       master.push_back(p.scalar_type() == at::kFloat ? p
                                                      : p.detach().to(at::kFloat).requires_grad_());
     }
-    opt = std::make_unique<apex::optim::FusedAdam>(adam_groups(master));
+    if (lamb) {
+      opt = std::make_unique<apex::optim::FusedLAMB>(lamb_groups(master));
+    } else {
+      opt = std::make_unique<apex::optim::FusedAdam>(adam_groups(master));
+    }
   }
 
   void step(int world, int step, const Run& run) {
@@ -197,7 +225,7 @@ struct Reference {
 // One iteration of the sharded optimizer on this rank's slice. Returns false when the step was
 // skipped (an inf).
 bool iteration(int rank, int world, int step, const Run& run, torch::nn::Sequential& local,
-               ap::DistributedFusedAdam& opt, apex::amp::GradScaler* scaler) {
+               ap::DistributedFusedOptimizer& opt, apex::amp::GradScaler* scaler) {
   const int64_t n = kBatch / world;
   const bool inf = step == run.inf_step;
   opt.zero_grad();
@@ -229,7 +257,7 @@ bool iteration(int rank, int world, int step, const Run& run, torch::nn::Sequent
 }
 
 // The gathered state against the reference's: moments and fp32 masters.
-int compare_state(const ap::DistributedFusedAdam& opt, const Reference& ref, bool exact) {
+int compare_state(const ap::DistributedFusedOptimizer& opt, const Reference& ref, bool exact) {
   const auto cs = opt.consolidated_state_dict();
   const auto ref_sd = ref.opt->python_state_dict();
   const auto st = cs.at("state").toGenericDict();
@@ -279,8 +307,20 @@ int equivalence(int rank, int world, const std::string& arg) {
   const int steps = std::stoi(get(a, "steps", "4"));
   auto pg = join();
   auto [ref_model, local] = models(rank, run.dtype);
-  Reference ref(ref_model);
-  ap::DistributedFusedAdam opt(dfa_groups(local), dfa_options(run), pg);
+  const bool lamb = get(a, "opt", "adam") == "lamb";
+  Reference ref(ref_model, lamb);
+  std::unique_ptr<ap::DistributedFusedOptimizer> opt_holder;
+  if (lamb) {
+    auto o = ap::DistributedFusedLAMBOptions()
+                 .bucket_cap_mb(run.bucket_mb)
+                 .reduce_scatter(run.rs)
+                 .contiguous_grad_buffer(run.contiguous);
+    opt_holder = std::make_unique<ap::DistributedFusedLAMB>(dflamb_groups(local), o, pg);
+  } else {
+    opt_holder =
+        std::make_unique<ap::DistributedFusedAdam>(dfa_groups(local), dfa_options(run), pg);
+  }
+  ap::DistributedFusedOptimizer& opt = *opt_holder;
   if (run.rs == ap::ReduceScatter::kNative &&
       opt.reduce_scatter_algorithm() != ap::ReduceScatter::kNative) {
     std::cout << "reduce_scatter(kNative) was not taken\n";
@@ -289,7 +329,8 @@ int equivalence(int rank, int world, const std::string& arg) {
   // Bit-identical where the sums run in the same order: the all-to-all reduce-scatter sums in
   // rank order as the reference does; Gloo's native one is a ring all-reduce (another order),
   // and the clipping norm is summed in another order than LibTorch's clip_grad_norm_.
-  const bool exact = run.rs != ap::ReduceScatter::kNative && run.clip == 0;
+  // LAMB's norms sum a parameter's fragments apart, then together: another order than FusedLAMB.
+  const bool exact = run.rs != ap::ReduceScatter::kNative && run.clip == 0 && !lamb;
   std::unique_ptr<apex::amp::GradScaler> scaler;
   if (scaled) {
     scaler = std::make_unique<apex::amp::GradScaler>(
@@ -328,7 +369,7 @@ int equivalence(int rank, int world, const std::string& arg) {
       ++bad;
     }
   }
-  bad += compare_state(opt, ref, exact);
+  if (!lamb) bad += compare_state(opt, ref, exact);
   if (bad == 0 && rank == 0) std::cout << (exact ? "bit-identical\n" : "within tolerance\n");
   return bad == 0 ? 0 : 1;
 }
@@ -583,6 +624,15 @@ TEST(DistributedFusedAdam, NoSyncAccumulationOverThreeMicroBatches) {
   run("dfa_equivalence", 3, "micro=3,contiguous=1");
 }
 TEST(DistributedFusedAdam, OneBucket) { run("dfa_equivalence", 2, "bucket_mb=100"); }
+
+// LAMB: per-parameter norms over fragments in other buckets and on other ranks.
+TEST(DistributedFusedLAMB, MatchesFusedLAMBOnOneToFourRanks) {
+  for (int w = 1; w <= 4; ++w) run("dfa_equivalence", w, "opt=lamb");
+}
+TEST(DistributedFusedLAMB, Bf16MastersNoSyncAndInfSkip) {
+  run("dfa_equivalence", 3, "opt=lamb,dtype=bf16,micro=3");
+  run("dfa_equivalence", 2, "opt=lamb,inf_step=1");
+}
 TEST(DistributedFusedAdam, GradScalerInfOnOneRankSkipsEveryRank) {
   run("dfa_equivalence", 2, "inf_step=1");
   run("dfa_equivalence", 3, "inf_step=2,dtype=bf16");

@@ -1,0 +1,473 @@
+// Internal: the layout and state of one rank of a sharded optimizer (DistributedFusedOptimizer),
+// shared by the base (gradients, collectives, checkpoints) and the algorithms (the update).
+#pragma once
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <apex/optim/multi_tensor.h>
+#include <apex/parallel/c10d.h>
+#include <apex/parallel/distributed_fused_optimizer.h>
+#include <c10/util/Exception.h>
+#include <torch/utils.h>
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bridge/bridge.h"
+#include "parallel/errors.h"
+
+namespace apex::parallel {
+namespace detail {
+
+// A shard starts on 128 bytes of fp32: bucket sizes are multiples of world * kAlign elements.
+constexpr int64_t kAlign = 32;
+
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+inline std::string describe(const at::Tensor& p) {
+  std::ostringstream s;
+  s << p.scalar_type() << p.sizes();
+  return s.str();
+}
+
+}  // namespace detail
+
+struct DistributedFusedOptimizer::Impl {
+  // A piece of a parameter inside one bucket.
+  struct Fragment {
+    int64_t param = 0;
+    int64_t param_offset = 0;
+    int64_t bucket = 0;
+    int64_t bucket_offset = 0;
+    int64_t length = 0;
+  };
+  // A piece of a parameter inside one rank's shard of a bucket.
+  struct ShardFragment {
+    int64_t param = 0;
+    int64_t param_offset = 0;
+    int64_t bucket = 0;
+    int64_t shard_offset = 0;  // within the bucket's shard
+    int64_t local_offset = 0;  // within the rank's flat buffers
+    int64_t length = 0;
+  };
+  enum class BucketState { kEmpty, kFilling, kInFlight, kReduced };
+  struct Bucket {
+    int64_t size = 0;   // elements, a multiple of world * detail::kAlign
+    int64_t shard = 0;  // size / world
+    int64_t local_offset = 0;
+    std::vector<Fragment> fragments;
+    std::vector<int64_t> params;  // distinct parameters with a fragment here
+    int64_t arrived = 0;
+    BucketState state = BucketState::kEmpty;
+    at::Tensor full;      // gradients of the whole bucket, while they live
+    at::Tensor received;  // all-to-all output
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  struct Param {
+    at::Tensor tensor;
+    size_t group = 0;
+    int64_t numel = 0;
+    std::vector<int64_t> buckets;  // distinct, in order
+    std::vector<int64_t> fragments;
+    bool arrived = false;
+  };
+
+  DistributedFusedOptimizer* owner = nullptr;
+  std::string name;  // "DistributedFusedAdam", ... (messages)
+  ProcessGroup group;
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  int64_t rank = 0;
+  int64_t world = 1;
+  ShardingSettings settings;
+  at::ScalarType grad_dtype = at::kFloat;
+  at::ScalarType param_dtype = at::kFloat;
+  ReduceScatter algorithm = ReduceScatter::kAllToAll;
+
+  std::vector<Param> params;
+  std::vector<Fragment> fragments;
+  std::vector<Bucket> buckets;
+  std::vector<ShardFragment> local;  // this rank's
+  int64_t shard_elements = 0;        // L: equal on every rank
+
+  at::Tensor exp_avg, exp_avg_sq, master, grad_shard;  // [L]
+  at::Tensor contiguous;                               // contiguous_grad_buffer
+  std::vector<int64_t> steps;                          // per group
+
+  size_t next_launch = 0;
+  std::vector<int64_t> in_flight;  // bucket indices, oldest first
+  bool sync_enabled = true;
+  bool synced = false;    // every bucket reduced since the last step/zero_grad
+  bool unscaled = false;  // unscale_grads ran since the last step
+
+  std::string where() const {
+    std::ostringstream s;
+    s << name << ": rank " << rank << " of " << world;
+    return s.str();
+  }
+
+  void build_layout(double bucket_cap_mb) {
+    const int64_t unit = world * detail::kAlign;
+    const double cap_elems =
+        bucket_cap_mb * 1024.0 * 1024.0 / static_cast<double>(c10::elementSize(grad_dtype));
+    const int64_t cap =
+        std::max<int64_t>(unit, detail::round_up(static_cast<int64_t>(cap_elems), unit));
+    int64_t total = 0;
+    for (const auto& p : params) total += p.numel;
+    // Cut the flat sequence of parameters (in layout order) into buckets of `cap`.
+    int64_t start = 0;
+    size_t pi = 0;
+    int64_t poff = 0;
+    while (start < total) {
+      Bucket b;
+      const int64_t used = std::min(cap, total - start);
+      b.size = detail::round_up(used, unit);
+      b.shard = b.size / world;
+      b.local_offset = shard_elements;
+      shard_elements += b.shard;
+      const auto bi = static_cast<int64_t>(buckets.size());
+      int64_t filled = 0;
+      while (filled < used) {
+        auto& p = params[pi];
+        const int64_t len = std::min(p.numel - poff, used - filled);
+        Fragment f{static_cast<int64_t>(pi), poff, bi, filled, len};
+        p.fragments.push_back(static_cast<int64_t>(fragments.size()));
+        if (p.buckets.empty() || p.buckets.back() != bi) {
+          p.buckets.push_back(bi);
+          b.params.push_back(static_cast<int64_t>(pi));
+        }
+        fragments.push_back(f);
+        b.fragments.push_back(f);
+        filled += len;
+        poff += len;
+        if (poff == p.numel) {
+          ++pi;
+          poff = 0;
+        }
+      }
+      buckets.push_back(std::move(b));
+      start += used;
+    }
+    local = shard_fragments(rank);
+  }
+
+  // The fragments of rank r's shards, in local order.
+  std::vector<ShardFragment> shard_fragments(int64_t r) const {
+    std::vector<ShardFragment> out;
+    for (size_t bi = 0; bi < buckets.size(); ++bi) {
+      const auto& b = buckets[bi];
+      const int64_t lo = r * b.shard;
+      const int64_t hi = lo + b.shard;
+      for (const auto& f : b.fragments) {
+        const int64_t s = std::max(lo, f.bucket_offset);
+        const int64_t e = std::min(hi, f.bucket_offset + f.length);
+        if (s >= e) continue;
+        ShardFragment sf;
+        sf.param = f.param;
+        sf.param_offset = f.param_offset + (s - f.bucket_offset);
+        sf.bucket = static_cast<int64_t>(bi);
+        sf.shard_offset = s - lo;
+        sf.local_offset = b.local_offset + (s - lo);
+        sf.length = e - s;
+        out.push_back(sf);
+      }
+    }
+    return out;
+  }
+
+  at::Tensor flat(int64_t param) const { return params[param].tensor.view({-1}); }
+
+  bool any_half() const {
+    return std::any_of(params.begin(), params.end(),
+                       [](const Param& p) { return p.tensor.scalar_type() != at::kFloat; });
+  }
+
+  // ---- gradients ----
+
+  at::Tensor& full_buffer(Bucket& b, int64_t bi) {
+    if (!b.full.defined()) {
+      if (settings.contiguous_grad_buffer) {
+        int64_t off = 0;
+        for (int64_t i = 0; i < bi; ++i) off += buckets[i].size;
+        b.full = contiguous.narrow(0, off, b.size);
+        b.full.zero_();
+      } else {
+        b.full = at::zeros({b.size}, params.front().tensor.options().dtype(grad_dtype));
+      }
+    }
+    return b.full;
+  }
+
+  void on_grad(int64_t index, const at::Tensor& param) {
+    at::Tensor& grad = param.mutable_grad();
+    if (!grad.defined()) return;
+    auto& p = params[index];
+    TORCH_CHECK(!grad.is_sparse(), where(), ": parameter ", index, " got a sparse gradient");
+    TORCH_CHECK(grad.sizes() == param.sizes(), where(), ": parameter ", index,
+                "'s gradient has shape ", grad.sizes(), ", expected ", param.sizes());
+    for (const int64_t fi : p.fragments) {
+      const auto& f = fragments[fi];
+      const auto& b = buckets[f.bucket];
+      TORCH_CHECK(b.state == BucketState::kEmpty || b.state == BucketState::kFilling, where(),
+                  ": a gradient of parameter ", index, " (", detail::describe(param),
+                  ") arrived after its bucket ", f.bucket,
+                  " was synchronized: call step() or zero_grad() between backward passes, "
+                  "or run the earlier micro-batches under no_sync()");
+    }
+    const torch::NoGradGuard no_grad;
+    const at::Tensor g = grad.reshape({-1});
+    for (const int64_t fi : p.fragments) {
+      const auto& f = fragments[fi];
+      auto& b = buckets[f.bucket];
+      full_buffer(b, f.bucket)
+          .narrow(0, f.bucket_offset, f.length)
+          .add_(g.narrow(0, f.param_offset, f.length));
+      b.state = BucketState::kFilling;
+    }
+    grad = at::Tensor();  // the bucket holds it now: p.grad's memory is released
+    synced = false;
+    if (!p.arrived) {
+      p.arrived = true;
+      for (const int64_t bi : p.buckets) ++buckets[bi].arrived;
+    }
+    if (sync_enabled && settings.overlap_grad_sync) launch_ready();
+  }
+
+  void launch_ready() {
+    while (next_launch < buckets.size() &&
+           buckets[next_launch].arrived ==
+               static_cast<int64_t>(buckets[next_launch].params.size())) {
+      launch(next_launch++);
+    }
+  }
+
+  void launch(size_t bi) {
+    auto& b = buckets[bi];
+    while (static_cast<int64_t>(in_flight.size()) >= std::max<int64_t>(1, settings.pipeline_size)) {
+      finish(in_flight.front());
+    }
+    at::Tensor& full = full_buffer(b, static_cast<int64_t>(bi));
+    if (settings.average_grad_sync && world > 1) full.div_(static_cast<double>(world));
+    try {
+      if (algorithm == ReduceScatter::kNative) {
+        at::Tensor out = grad_shard.narrow(0, b.local_offset, b.shard);
+        b.work = pg->reduce_scatter_single(out, full);
+      } else {
+        b.received = at::empty_like(full);
+        std::vector<int64_t> even;
+        b.work = pg->all_to_all_single(b.received, full, even, even);
+      }
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, where(), ": the reduce-scatter of bucket ", bi,
+                  " failed: ", detail::message_of(e));
+    }
+    b.state = BucketState::kInFlight;
+    in_flight.push_back(static_cast<int64_t>(bi));
+  }
+
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, int64_t bi) {
+    try {
+      work->wait();
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, where(), ": the ", what, " of bucket ", bi, " failed (timeout ",
+                  group.timeout().count(), " ms): ", detail::message_of(e));
+    }
+  }
+
+  void finish(int64_t bi) {
+    auto& b = buckets[bi];
+    in_flight.erase(std::find(in_flight.begin(), in_flight.end(), bi));
+    auto work = std::move(b.work);
+    wait(work, "reduce-scatter", bi);
+    if (algorithm == ReduceScatter::kAllToAll) {
+      at::Tensor out = grad_shard.narrow(0, b.local_offset, b.shard);
+      if (world == 1) {
+        out.copy_(b.received);
+      } else {
+        // Rank j's contribution is chunk j: summed in rank order, in fp32.
+        at::Tensor acc = b.received.narrow(0, 0, b.shard).to(at::kFloat, false, true);
+        for (int64_t j = 1; j < world; ++j) acc.add_(b.received.narrow(0, j * b.shard, b.shard));
+        out.copy_(acc);
+      }
+      b.received = at::Tensor();
+    }
+    if (!settings.contiguous_grad_buffer) b.full = at::Tensor();
+    b.state = BucketState::kReduced;
+  }
+
+  // Every bucket reduced (the ones whose gradients never all arrived too: missing gradients are
+  // zeros), in bucket order on every rank.
+  void sync_all() {
+    if (synced) return;
+    while (next_launch < buckets.size()) launch(next_launch++);
+    while (!in_flight.empty()) finish(in_flight.front());
+    synced = true;
+  }
+
+  void reset_grads() {
+    for (auto& b : buckets) {
+      TORCH_CHECK(b.state != BucketState::kInFlight || !b.work, where(),
+                  ": internal: a reduce-scatter is still in flight");
+      b.full = at::Tensor();
+      b.received = at::Tensor();
+      b.arrived = 0;
+      b.state = BucketState::kEmpty;
+    }
+    for (auto& p : params) p.arrived = false;
+    next_launch = 0;
+    synced = false;
+    unscaled = false;
+  }
+
+  at::Tensor found_inf_agreed() {
+    at::Tensor found = at::zeros({1}, grad_shard.options().dtype(at::kFloat));
+    if (grad_shard.numel() > 0) optim::multi_tensor_check_finite({grad_shard}, found);
+    group.all_reduce_max_(found);
+    return found;
+  }
+
+  // The kernel rows of group `group`'s fragments on this rank, one list set per parameter dtype:
+  // 0 the parameter's piece (the model's own storage), 1 its gradient, 2 exp_avg, 3 exp_avg_sq,
+  // 4 the fp32 master (half parameters only); `params` names each row's parameter.
+  struct Rows {
+    bridge::ListBuilder lists{5};
+    std::vector<int64_t> params;
+  };
+  std::map<at::ScalarType, Rows> shard_rows(size_t group) {
+    std::map<at::ScalarType, Rows> rows;
+    for (const auto& sf : local) {
+      const auto& p = params[sf.param];
+      if (p.group != group) continue;
+      const at::ScalarType dt = p.tensor.scalar_type();
+      Rows& r = rows[dt];
+      const bool half = dt != at::kFloat && master.defined();
+      r.lists.add({flat(sf.param).narrow(0, sf.param_offset, sf.length),
+                   grad_shard.narrow(0, sf.local_offset, sf.length),
+                   exp_avg.narrow(0, sf.local_offset, sf.length),
+                   exp_avg_sq.narrow(0, sf.local_offset, sf.length),
+                   half ? master.narrow(0, sf.local_offset, sf.length) : at::Tensor()});
+      r.params.push_back(sf.param);
+    }
+    return rows;
+  }
+
+  // Every rank's shard of the parameters to every rank, bucket by bucket (pipelined).
+  void all_gather_params() {
+    if (buckets.empty()) return;
+    const auto opts = params.front().tensor.options().dtype(param_dtype);
+    std::vector<std::pair<at::Tensor, at::Tensor>> bufs(buckets.size());  // send, receive
+    std::vector<c10::intrusive_ptr<c10d::Work>> works(buckets.size());
+    size_t done = 0;
+    auto unpack = [&](size_t bi) {
+      wait(works[bi], "parameter all-gather", static_cast<int64_t>(bi));
+      works[bi].reset();
+      const at::Tensor& recv = bufs[bi].second;
+      for (const auto& f : buckets[bi].fragments) {
+        flat(f.param)
+            .narrow(0, f.param_offset, f.length)
+            .copy_(recv.narrow(0, f.bucket_offset, f.length));
+      }
+      bufs[bi] = {};
+    };
+    size_t li = 0;
+    for (size_t bi = 0; bi < buckets.size(); ++bi) {
+      const auto& b = buckets[bi];
+      at::Tensor send = at::zeros({b.shard}, opts);
+      for (; li < local.size() && local[li].bucket == static_cast<int64_t>(bi); ++li) {
+        const auto& sf = local[li];
+        send.narrow(0, sf.shard_offset, sf.length)
+            .copy_(flat(sf.param).narrow(0, sf.param_offset, sf.length));
+      }
+      at::Tensor recv = at::empty({b.size}, opts);
+      bufs[bi] = {send, recv};
+      while (bi - done >= static_cast<size_t>(std::max<int64_t>(1, settings.pipeline_size))) {
+        unpack(done++);
+      }
+      try {
+        works[bi] = pg->all_gather_single(bufs[bi].second, bufs[bi].first);
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, where(), ": the parameter all-gather of bucket ", bi,
+                    " failed: ", detail::message_of(e));
+      }
+    }
+    while (done < buckets.size()) unpack(done++);
+  }
+
+  // ---- whole state, for checkpoints ----
+
+  // Per parameter (layout index): fp32 weights, exp_avg, exp_avg_sq, gathered from every rank.
+  struct Full {
+    std::vector<at::Tensor> param, exp_avg, exp_avg_sq;
+  };
+
+  at::Tensor local_param_values() const {
+    at::Tensor out = at::zeros({shard_elements}, grad_shard.options().dtype(at::kFloat));
+    for (const auto& sf : local) {
+      const bool half = params[sf.param].tensor.scalar_type() != at::kFloat;
+      out.narrow(0, sf.local_offset, sf.length)
+          .copy_(half ? master.narrow(0, sf.local_offset, sf.length)
+                      : flat(sf.param).narrow(0, sf.param_offset, sf.length));
+    }
+    return out;
+  }
+
+  Full gather_full() const {
+    const at::Tensor mine = at::cat({local_param_values(), exp_avg, exp_avg_sq}).cpu();
+    const auto all = group.all_gather(mine.to(grad_shard.device()));
+    Full full;
+    for (const auto& p : params) {
+      const auto o = at::TensorOptions().dtype(at::kFloat);
+      full.param.push_back(at::zeros({p.numel}, o));
+      full.exp_avg.push_back(at::zeros({p.numel}, o));
+      full.exp_avg_sq.push_back(at::zeros({p.numel}, o));
+    }
+    for (int64_t r = 0; r < world; ++r) {
+      const at::Tensor t = all[r].cpu();
+      for (const auto& sf : shard_fragments(r)) {
+        auto put = [&](std::vector<at::Tensor>& dst, int64_t base) {
+          dst[sf.param]
+              .narrow(0, sf.param_offset, sf.length)
+              .copy_(t.narrow(0, base + sf.local_offset, sf.length));
+        };
+        put(full.param, 0);
+        put(full.exp_avg, shard_elements);
+        put(full.exp_avg_sq, 2 * shard_elements);
+      }
+    }
+    return full;
+  }
+
+  // Installs whole per-parameter state (validated by the caller): this rank's fragments of it.
+  void install(const Full& full, const std::vector<int64_t>& new_steps) {
+    const torch::NoGradGuard no_grad;
+    for (const auto& sf : local) {
+      auto take = [&](const std::vector<at::Tensor>& src, at::Tensor& dst) {
+        dst.narrow(0, sf.local_offset, sf.length)
+            .copy_(src[sf.param].reshape({-1}).narrow(0, sf.param_offset, sf.length));
+      };
+      take(full.exp_avg, exp_avg);
+      take(full.exp_avg_sq, exp_avg_sq);
+      if (master.defined() && params[sf.param].tensor.scalar_type() != at::kFloat &&
+          full.param[sf.param].defined()) {
+        take(full.param, master);
+      }
+    }
+    steps = new_steps;
+  }
+
+  // The ranks agree before anything changes: every rank's error (or "") to every rank.
+  void agree(const std::string& error, const char* what) const {
+    const auto all = group.all_gather_string(error);
+    TORCH_CHECK(error.empty(), error);
+    for (size_t r = 0; r < all.size(); ++r) {
+      TORCH_CHECK(all[r].empty(), where(), ": ", what, " failed on rank ", r,
+                  ", so no rank changed anything: ", all[r]);
+    }
+  }
+};
+
+}  // namespace apex::parallel
