@@ -107,4 +107,9 @@ int run_half(const Config& cfg);
 /// A rank of run_ddp: `apex-bench ddp-rank MODEL STEPS ddp|plain OUT` (internal).
 int run_ddp_rank(int argc, char** argv);
 
+/// ZeRO-2 (DistributedFusedAdam) against DDP + FusedAdam: memory per rank, step time, bytes.
+int run_zero(const Config& cfg);
+/// A rank of run_zero: `apex-bench zero-rank KIND DTYPE STEPS OUT` (internal).
+int run_zero_rank(int argc, char** argv);
+
 }  // namespace apex::bench

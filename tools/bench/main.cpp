@@ -28,6 +28,10 @@ const Area kAreas[] = {
      apex::bench::run_train},
     {"ddp", "data-parallel weak scaling on this machine's cores (Gloo) against Python's DDP",
      apex::bench::run_ddp},
+    {"zero",
+     "ZeRO-2 (DistributedFusedAdam) against DDP + FusedAdam: memory per rank (W = 1, 2, 4), "
+     "step time and bytes at W = 2, Python FSDP2 / ZeroRedundancyOptimizer as peers",
+     apex::bench::run_zero},
     {"half",
      "amp's CPU half route and the ops between (bf16/fp16) against LibTorch's half and fp32",
      apex::bench::run_half},
@@ -75,9 +79,10 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   const std::string area = argv[1];
-  if (area == "ddp-rank") {  // a rank of `apex-bench ddp` (internal)
+  if (area == "ddp-rank" || area == "zero-rank") {  // a rank of `apex-bench ddp`/`zero`
     try {
-      return apex::bench::run_ddp_rank(argc, argv);
+      return area == "ddp-rank" ? apex::bench::run_ddp_rank(argc, argv)
+                                : apex::bench::run_zero_rank(argc, argv);
     } catch (const c10::Error& e) {
       std::fprintf(stderr, "apex-bench: %s\n", e.what_without_backtrace());
       return 1;

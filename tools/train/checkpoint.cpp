@@ -217,7 +217,9 @@ void check_same_settings(const TrainOptions& o, const apex::parallel::ProcessGro
       {"--resume-with-changes", o.resume_with_changes ? "yes" : "no"},
       {"--stop-after", std::to_string(o.stop_after)},
       {"--bucket-cap-mb", json::num_exact(o.bucket_cap_mb)},
-      {"--timeout", json::num_exact(o.timeout_s)}};
+      {"--timeout", json::num_exact(o.timeout_s)},
+      {"--zero", o.zero ? "yes" : "no"},
+      {"--zero-reduce-scatter", o.zero_reduce_scatter}};
   for (const auto& [key, value] : run_settings(o, pg.size())) {
     if (key == "world_size") continue;  // one group: the same everywhere
     std::string flag = "--" + key;

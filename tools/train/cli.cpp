@@ -184,6 +184,8 @@ distributed (Gloo over TCP; docs/distributed.md)
   --sync-bn             resnet: BatchNorm statistics over every rank's batch (SyncBatchNorm)
   --zero                ZeRO-2 with --ddp/--nproc: Adam's state and the gradients sharded over
                         the ranks (DistributedFusedAdam); fp32, O0 or O1 (autocast + GradScaler)
+  --zero-reduce-scatter M  auto (all-to-all on Gloo: (W-1)/W of the gradients), all-to-all, or
+                        native (Gloo's own: an all-reduce, twice the bytes)
   --bucket-cap-mb X     DDP's gradient bucket size in MiB, the first bucket's too, as Python
                         DDP's bucket_cap_mb (default 25, first bucket 1): small buckets let a
                         small model's all-reduce start while backward still runs
@@ -201,6 +203,7 @@ Cli parse_cli(const std::vector<std::string>& args) {
   bool half_set = false;
   bool bucket_set = false;
   bool timeout_set = false;
+  bool zero_rs_set = false;
   static const std::set<std::string> kPerLevel = {"--compare", "--opt-level",  "--plot",
                                                   "--metrics", "--checkpoint", "--summary-out",
                                                   "--rounds"};
@@ -334,6 +337,11 @@ Cli parse_cli(const std::vector<std::string>& args) {
       bucket_set = true;
     } else if (flag == "--nproc") {
       cli.nproc = to_int(flag, v, 1, 64);
+    } else if (flag == "--zero-reduce-scatter") {
+      TORCH_CHECK(v == "auto" || v == "native" || v == "all-to-all", "apex-train: ", flag,
+                  " expects auto, native or all-to-all, got '", v, "'");
+      o.zero_reduce_scatter = v;
+      zero_rs_set = true;
     } else if (flag == "--timeout") {
       o.timeout_s = to_double(flag, v, 0.1, 86400.0 * 7);
       timeout_set = true;
@@ -386,6 +394,7 @@ Cli parse_cli(const std::vector<std::string>& args) {
               "apex-train: --bucket-cap-mb needs --ddp (under torchrun) or --nproc N");
   TORCH_CHECK(!o.sync_bn || o.ddp || cli.nproc > 0,
               "apex-train: --sync-bn needs --ddp (under torchrun) or --nproc N");
+  TORCH_CHECK(!zero_rs_set || o.zero, "apex-train: --zero-reduce-scatter needs --zero");
   TORCH_CHECK(!o.zero || o.ddp || cli.nproc > 0,
               "apex-train: --zero needs --ddp (under torchrun) or --nproc N");
   TORCH_CHECK(!o.zero || o.optimizer == "fused-adam" || o.optimizer == "adam",

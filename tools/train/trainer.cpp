@@ -333,7 +333,11 @@ Summary train(const TrainOptions& o, const Split& data) {
         model->parameters(),
         apex::parallel::DistributedFusedAdamOptions(o.lr)
             .weight_decay(o.weight_decay)
-            .bucket_cap_mb(o.bucket_cap_mb > 0 ? o.bucket_cap_mb : 100.0),
+            .bucket_cap_mb(o.bucket_cap_mb > 0 ? o.bucket_cap_mb : 100.0)
+            .reduce_scatter(
+                o.zero_reduce_scatter == "native"       ? apex::parallel::ReduceScatter::kNative
+                : o.zero_reduce_scatter == "all-to-all" ? apex::parallel::ReduceScatter::kAllToAll
+                                                        : apex::parallel::ReduceScatter::kAuto),
         *pg);
     zero = dfa.get();
     optimizer = std::move(dfa);
@@ -564,9 +568,10 @@ Summary train(const TrainOptions& o, const Split& data) {
     if (rank == 0) {
       std::printf(
           "apex-train: --zero: %.2f MiB of Adam state and %.2f MiB of gradients per rank "
-          "(%lld ranks; %.2f B per parameter)\n",
+          "(%lld parameters, %lld ranks; %.2f B per parameter)\n",
           static_cast<double>(mem.state_bytes) / 1048576.0,
-          static_cast<double>(mem.grad_shard_bytes) / 1048576.0, static_cast<long long>(world),
+          static_cast<double>(mem.grad_shard_bytes) / 1048576.0, static_cast<long long>(mem.params),
+          static_cast<long long>(world),
           static_cast<double>(mem.state_bytes + mem.grad_shard_bytes) /
               static_cast<double>(std::max<int64_t>(1, mem.params)));
     }

@@ -62,6 +62,7 @@ struct TrainOptions {
   /// ZeRO-2: apex::parallel::DistributedFusedAdam shards the optimizer state and gradients over
   /// the ranks (needs ddp, Adam, fp32/O0/O1).
   bool zero = false;
+  std::string zero_reduce_scatter = "auto";  ///< auto, all-to-all or native
   /// DDP's bucket size in MiB, the first bucket's too, as Python DDP's bucket_cap_mb (0: the
   /// defaults, 25 MiB and a first bucket of 1 MiB).
   double bucket_cap_mb = 0;
