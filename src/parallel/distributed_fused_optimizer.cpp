@@ -276,6 +276,7 @@ ShardedMemory DistributedFusedOptimizer::memory() const {
   out.state_bytes = bytes(m.exp_avg) + bytes(m.exp_avg_sq) + bytes(m.master);
   out.grad_shard_bytes = bytes(m.grad_shard);
   out.grad_buffer_bytes = bytes(m.contiguous);
+  for (const auto& t : m.spare) out.cached_buffer_bytes += bytes(t);
   if (!m.contiguous.defined()) {
     for (const auto& b : m.buckets) out.grad_buffer_bytes += bytes(b.full) + bytes(b.received);
   }

@@ -112,7 +112,7 @@ for cfg in ddp zero native; do
   fi
   echo "$cfg: losses equal --nproc 2's ($(losses "$work/$cfg.loop.jsonl" | wc -l) records)"
   if [ -z "$params" ]; then
-    params=$(grep -o '([0-9]* parameters' "$work/${cfg}30.A.log" | head -1 | tr -dc 0-9)
+    params=$(grep -o '([0-9]* parameters' "$work/${cfg}30.A.log" | head -1 | tr -dc 0-9 || true)
   fi
 done
 [ -n "$params" ] || { cat "$work/zero30.A.log"; fail "apex-train did not print the parameter count"; }

@@ -80,6 +80,8 @@ struct ShardedMemory {
   int64_t state_bytes = 0;        ///< exp_avg + exp_avg_sq + fp32 master of this rank's shard
   int64_t grad_shard_bytes = 0;   ///< the reduced gradients of this rank's shard
   int64_t grad_buffer_bytes = 0;  ///< full-size bucket buffers alive now
+  /// Transient buffers kept for the next step (bucket-sized; reused instead of reallocated).
+  int64_t cached_buffer_bytes = 0;
 };
 
 /// The machinery of the sharded optimizers (see DistributedFusedAdam for the picture).
