@@ -3,6 +3,7 @@
 // there is no GPU; scripts/gpu_check.sh runs it.
 #include <ATen/CPUGeneratorImpl.h>
 #include <apex/amp/initialize.h>
+#include <apex/optim/fused_adam.h>
 #include <apex/parallel.h>
 #include <torch/cuda.h>
 #include <torch/nn.h>
@@ -154,3 +155,33 @@ TEST(DdpCuda, SyncBatchNormEqualsBatchNorm) {
 }
 
 }  // namespace
+
+// ZeRO-2 on one GPU (NCCL, a world of one): DistributedFusedAdam steps as FusedAdam does, bit for
+// bit (the same CUDA kernel; one rank's gradients are not reordered), fp32 and bf16 with masters.
+TEST(DistributedFusedAdamCuda, WorldOfOneEqualsFusedAdam) {
+  APEX_REQUIRE_CUDA();
+  ASSERT_TRUE(ap::backend_available(ap::Backend::kNccl));
+  auto pg = group_on_gpu();
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    auto a = mlp();
+    auto b = mlp();
+    a->to(dtype);
+    b->to(dtype);
+    apex::optim::FusedAdam ref(
+        a->parameters(),
+        apex::optim::FusedAdamOptions(1e-2).weight_decay(0.01).master_weights(true));
+    ap::DistributedFusedAdam dfa(
+        b->parameters(),
+        ap::DistributedFusedAdamOptions(1e-2).weight_decay(0.01).bucket_cap_mb(0.001), pg);
+    for (int step = 0; step < 4; ++step) {
+      ref.zero_grad();
+      dfa.zero_grad();
+      a->forward(input(step).to(dtype)).to(at::kFloat).pow(2).mean().backward();
+      b->forward(input(step).to(dtype)).to(at::kFloat).pow(2).mean().backward();
+      ref.step();
+      dfa.step();
+      EXPECT_EQ(max_diff(*a, *b), 0.0) << "step " << step << ", " << dtype;
+    }
+  }
+  ap::destroy_process_group();
+}
