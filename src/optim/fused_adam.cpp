@@ -270,23 +270,7 @@ StateDict FusedAdam::python_state_dict() const {
         d.insert("exp_avg_sq", s.exp_avg_sq().cpu());
         return d;
       },
-      [&](size_t gi) {
-        const FusedAdamOptions& o = options_of(param_groups_[gi]);
-        StateDict g = make_state_dict();
-        g.insert("lr", o.lr());
-        g.insert("betas",
-                 c10::ivalue::Tuple::create(std::get<0>(o.betas()), std::get<1>(o.betas())));
-        g.insert("eps", o.eps());
-        g.insert("weight_decay", o.weight_decay());
-        g.insert("amsgrad", false);
-        g.insert("maximize", false);
-        g.insert("foreach", c10::IValue());
-        g.insert("capturable", false);
-        g.insert("differentiable", false);
-        g.insert("fused", c10::IValue());
-        g.insert("decoupled_weight_decay", o.adam_w_mode());
-        return g;
-      });
+      [&](size_t gi) { return detail::torch_adam_group(options_of(param_groups_[gi])); });
 }
 
 void FusedAdam::load_python_state_dict(const StateDict& layout) {

@@ -121,21 +121,7 @@ void FusedLAMB::fused_step(const GradScaling& scaling) {
     const at::Tensor inv = on(scaling.inv_scale, device);
     const at::Tensor gnorm = on(global_norm, device);
     const int64_t step = next_group_step<FusedLAMBParamState>(groups[gi]);
-    const auto [b1, b2] = o.betas();
-    kernels::LambArgs args;
-    args.lr = static_cast<float>(o.lr());
-    args.beta1 = static_cast<float>(b1);
-    args.beta2 = static_cast<float>(b2);
-    args.beta3 = kernels::grad_weight(b1, o.grad_averaging());
-    args.eps = static_cast<float>(o.eps());
-    args.weight_decay = static_cast<float>(o.weight_decay());
-    args.bias_correction1 =
-        static_cast<float>(kernels::bias_correction(b1, step, o.bias_correction()));
-    args.bias_correction2 =
-        static_cast<float>(kernels::bias_correction(b2, step, o.bias_correction()));
-    args.adam_w_mode = o.adam_w_mode();
-    args.use_nvlamb = o.use_nvlamb();
-    args.max_grad_norm = static_cast<float>(o.max_grad_norm());
+    kernels::LambArgs args = detail::lamb_args(o, step);
     args.global_grad_norm = gnorm.data_ptr<float>();
     args.amp.inv_scale = bridge::scalar_ptr(inv, device, kWho, "inv_scale");
     args.amp.unscale_grads = scaling.unscale_grads;

@@ -4,8 +4,11 @@
 // checks with their messages, and fp32 state and master tensors shaped like their parameters.
 
 #include <ATen/core/Tensor.h>
+#include <apex/state_dict.h>
 
 #include <tuple>
+
+#include "kernels/multi_tensor.h"
 
 namespace apex::optim::detail {
 
@@ -31,6 +34,47 @@ at::Tensor master_copy(const at::Tensor& param);
 /// `current` conformed to `param`, or a new master copy of `param` when undefined.
 inline at::Tensor ensure_master(const at::Tensor& current, const at::Tensor& param) {
   return current.defined() ? conform_state(current, param) : master_copy(param);
+}
+
+/// A group's entry in torch.optim.Adam/AdamW's state_dict layout: lr, betas, eps, weight_decay
+/// and the flags torch writes (FusedAdam and DistributedFusedAdam alike).
+template <class Options>
+StateDict torch_adam_group(const Options& o) {
+  StateDict g = make_state_dict();
+  g.insert("lr", o.lr());
+  g.insert("betas", c10::ivalue::Tuple::create(std::get<0>(o.betas()), std::get<1>(o.betas())));
+  g.insert("eps", o.eps());
+  g.insert("weight_decay", o.weight_decay());
+  g.insert("amsgrad", false);
+  g.insert("maximize", false);
+  g.insert("foreach", c10::IValue());
+  g.insert("capturable", false);
+  g.insert("differentiable", false);
+  g.insert("fused", c10::IValue());
+  g.insert("decoupled_weight_decay", o.adam_w_mode());
+  return g;
+}
+
+/// LAMB's kernel arguments for a group at `step` (FusedLAMB and DistributedFusedLAMB alike); the
+/// caller sets the norm and scaling pointers.
+template <class Options>
+kernels::LambArgs lamb_args(const Options& o, int64_t step) {
+  const auto [b1, b2] = o.betas();
+  kernels::LambArgs args;
+  args.lr = static_cast<float>(o.lr());
+  args.beta1 = static_cast<float>(b1);
+  args.beta2 = static_cast<float>(b2);
+  args.beta3 = kernels::grad_weight(b1, o.grad_averaging());
+  args.eps = static_cast<float>(o.eps());
+  args.weight_decay = static_cast<float>(o.weight_decay());
+  args.bias_correction1 =
+      static_cast<float>(kernels::bias_correction(b1, step, o.bias_correction()));
+  args.bias_correction2 =
+      static_cast<float>(kernels::bias_correction(b2, step, o.bias_correction()));
+  args.adam_w_mode = o.adam_w_mode();
+  args.use_nvlamb = o.use_nvlamb();
+  args.max_grad_norm = static_cast<float>(o.max_grad_norm());
+  return args;
 }
 
 }  // namespace apex::optim::detail

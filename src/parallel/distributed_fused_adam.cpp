@@ -4,9 +4,8 @@
 
 #include <c10/util/Exception.h>
 
-#include <cmath>
-
 #include "kernels/multi_tensor.h"
+#include "optim/state.h"
 #include "parallel/sharded_optimizer.h"
 
 namespace apex::parallel {
@@ -18,29 +17,7 @@ const DistributedFusedAdamOptions& options_of(const torch::optim::OptimizerParam
   return static_cast<const DistributedFusedAdamOptions&>(g.options());
 }
 
-void check(const DistributedFusedAdamOptions& o) {
-  auto non_negative = [](const char* name, double v) {
-    TORCH_CHECK(std::isfinite(v) && v >= 0, kWho, ": ", name, " must be finite and >= 0, got ", v);
-  };
-  non_negative("lr", o.lr());
-  non_negative("eps", o.eps());
-  non_negative("weight_decay", o.weight_decay());
-  const double b1 = std::get<0>(o.betas());
-  const double b2 = std::get<1>(o.betas());
-  TORCH_CHECK(b1 >= 0 && b1 < 1, kWho, ": betas[0] must be in [0, 1), got ", b1);
-  TORCH_CHECK(b2 >= 0 && b2 < 1, kWho, ": betas[1] must be in [0, 1), got ", b2);
-}
-
-// The options are checked before the base constructor's collectives.
-const std::vector<torch::optim::OptimizerParamGroup>& checked(
-    const std::vector<torch::optim::OptimizerParamGroup>& groups,
-    const DistributedFusedAdamOptions& defaults) {
-  check(defaults);
-  for (const auto& g : groups) {
-    if (g.has_options()) check(options_of(g));
-  }
-  return groups;
-}
+void check(const DistributedFusedAdamOptions& o) { optim::detail::check_adam_style(kWho, o); }
 
 }  // namespace
 
@@ -49,7 +26,7 @@ DistributedFusedAdamOptions::DistributedFusedAdamOptions(double lr) : lr_(lr) {}
 DistributedFusedAdam::DistributedFusedAdam(
     const std::vector<torch::optim::OptimizerParamGroup>& groups,
     DistributedFusedAdamOptions defaults, ProcessGroup group)
-    : DistributedFusedOptimizer(checked(groups, defaults),
+    : DistributedFusedOptimizer(detail::checked_groups(groups, defaults, check),
                                 std::make_unique<DistributedFusedAdamOptions>(defaults),
                                 ShardingSettings::of(defaults), std::move(group), kWho) {}
 
@@ -95,22 +72,8 @@ StateDict DistributedFusedAdam::group_state(size_t group) const {
 }
 
 StateDict DistributedFusedAdam::torch_state_dict() const {
-  return torch_layout([&](size_t gi) {
-    const auto& o = options_of(param_groups_[gi]);
-    StateDict g = make_state_dict();
-    g.insert("lr", o.lr());
-    g.insert("betas", c10::ivalue::Tuple::create(std::get<0>(o.betas()), std::get<1>(o.betas())));
-    g.insert("eps", o.eps());
-    g.insert("weight_decay", o.weight_decay());
-    g.insert("amsgrad", false);
-    g.insert("maximize", false);
-    g.insert("foreach", c10::IValue());
-    g.insert("capturable", false);
-    g.insert("differentiable", false);
-    g.insert("fused", c10::IValue());
-    g.insert("decoupled_weight_decay", o.adam_w_mode());
-    return g;
-  });
+  return torch_layout(
+      [&](size_t gi) { return optim::detail::torch_adam_group(options_of(param_groups_[gi])); });
 }
 
 }  // namespace apex::parallel

@@ -9,9 +9,8 @@
 #include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
 
-#include <cmath>
-
 #include "kernels/multi_tensor.h"
+#include "optim/state.h"
 #include "parallel/sharded_optimizer.h"
 
 namespace apex::parallel {
@@ -24,27 +23,8 @@ const DistributedFusedLAMBOptions& options_of(const torch::optim::OptimizerParam
 }
 
 void check(const DistributedFusedLAMBOptions& o) {
-  auto non_negative = [](const char* name, double v) {
-    TORCH_CHECK(std::isfinite(v) && v >= 0, kWho, ": ", name, " must be finite and >= 0, got ", v);
-  };
-  non_negative("lr", o.lr());
-  non_negative("eps", o.eps());
-  non_negative("weight_decay", o.weight_decay());
-  non_negative("max_grad_norm", o.max_grad_norm());
-  const double b1 = std::get<0>(o.betas());
-  const double b2 = std::get<1>(o.betas());
-  TORCH_CHECK(b1 >= 0 && b1 < 1, kWho, ": betas[0] must be in [0, 1), got ", b1);
-  TORCH_CHECK(b2 >= 0 && b2 < 1, kWho, ": betas[1] must be in [0, 1), got ", b2);
-}
-
-const std::vector<torch::optim::OptimizerParamGroup>& checked(
-    const std::vector<torch::optim::OptimizerParamGroup>& groups,
-    const DistributedFusedLAMBOptions& defaults) {
-  check(defaults);
-  for (const auto& g : groups) {
-    if (g.has_options()) check(options_of(g));
-  }
-  return groups;
+  optim::detail::check_adam_style(kWho, o);
+  optim::detail::check_non_negative(kWho, "max_grad_norm", o.max_grad_norm());
 }
 
 }  // namespace
@@ -54,7 +34,7 @@ DistributedFusedLAMBOptions::DistributedFusedLAMBOptions(double lr) : lr_(lr) {}
 DistributedFusedLAMB::DistributedFusedLAMB(
     const std::vector<torch::optim::OptimizerParamGroup>& groups,
     DistributedFusedLAMBOptions defaults, ProcessGroup group)
-    : DistributedFusedOptimizer(checked(groups, defaults),
+    : DistributedFusedOptimizer(detail::checked_groups(groups, defaults, check),
                                 std::make_unique<DistributedFusedLAMBOptions>(defaults),
                                 ShardingSettings::of(defaults), std::move(group), kWho) {}
 
@@ -88,21 +68,7 @@ void DistributedFusedLAMB::update(const at::Tensor& inv_scale) {
     const int64_t step = ++m.steps[gi];
     all_rows[gi] = m.shard_rows(gi);
     for (auto& [dt, r] : all_rows[gi]) {
-      const auto [b1, b2] = o.betas();
-      kernels::LambArgs args;
-      args.lr = static_cast<float>(o.lr());
-      args.beta1 = static_cast<float>(b1);
-      args.beta2 = static_cast<float>(b2);
-      args.beta3 = kernels::grad_weight(b1, o.grad_averaging());
-      args.eps = static_cast<float>(o.eps());
-      args.weight_decay = static_cast<float>(o.weight_decay());
-      args.bias_correction1 =
-          static_cast<float>(kernels::bias_correction(b1, step, o.bias_correction()));
-      args.bias_correction2 =
-          static_cast<float>(kernels::bias_correction(b2, step, o.bias_correction()));
-      args.adam_w_mode = o.adam_w_mode();
-      args.use_nvlamb = o.use_nvlamb();
-      args.max_grad_norm = static_cast<float>(o.max_grad_norm());
+      kernels::LambArgs args = optim::detail::lamb_args(o, step);
       args.global_grad_norm = gnorm.data_ptr<float>();
       args.amp.inv_scale = bridge::scalar_ptr(inv_scale, device, kWho, "inv_scale");
       Launch l{gi,

@@ -35,6 +35,19 @@ inline std::string describe(const at::Tensor& p) {
   return s.str();
 }
 
+/// `groups`, after `check` accepted the defaults and every group's own options: a sharded
+/// optimizer's options are checked before its base constructor's collectives.
+template <class Options, class Check>
+const std::vector<torch::optim::OptimizerParamGroup>& checked_groups(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups, const Options& defaults,
+    const Check& check) {
+  check(defaults);
+  for (const auto& g : groups) {
+    if (g.has_options()) check(static_cast<const Options&>(g.options()));
+  }
+  return groups;
+}
+
 }  // namespace detail
 
 struct DistributedFusedOptimizer::Impl {

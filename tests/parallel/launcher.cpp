@@ -166,6 +166,22 @@ int run_worker_from_env() {
   }
 }
 
+std::map<std::string, std::string> parse_args(const std::string& arg) {
+  std::map<std::string, std::string> m;
+  std::istringstream in(arg);
+  for (std::string kv; std::getline(in, kv, ',');) {
+    const auto eq = kv.find('=');
+    if (eq != std::string::npos) m[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return m;
+}
+
+std::string get(const std::map<std::string, std::string>& args, const std::string& key,
+                const std::string& fallback) {
+  const auto it = args.find(key);
+  return it == args.end() ? fallback : it->second;
+}
+
 }  // namespace apex::test
 
 int main(int argc, char** argv) {

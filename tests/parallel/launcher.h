@@ -49,6 +49,12 @@ int run_worker_from_env();
 /// same on every rank.
 at::Tensor randn_seeded(at::IntArrayRef sizes, uint64_t seed);
 
+/// A worker's "key=value,key=value" argument as a map.
+std::map<std::string, std::string> parse_args(const std::string& arg);
+/// `args[key]`, or `fallback` when absent.
+std::string get(const std::map<std::string, std::string>& args, const std::string& key,
+                const std::string& fallback);
+
 /// "rank r (exit e, t s): <output>" for every rank, for failure messages.
 std::string describe(const std::vector<RankResult>& results);
 

@@ -24,29 +24,15 @@
 
 namespace ap = apex::parallel;
 using apex::test::all_close;
+using apex::test::get;
 using apex::test::launch;
 using apex::test::LaunchOptions;
+using apex::test::parse_args;
 using apex::test::randn_seeded;
 using apex::test::RegisterWorker;
 using apex::test::tolerance_for;
 
 namespace {
-
-std::map<std::string, std::string> parse_args(const std::string& arg) {
-  std::map<std::string, std::string> m;
-  std::istringstream in(arg);
-  for (std::string kv; std::getline(in, kv, ',');) {
-    const auto eq = kv.find('=');
-    if (eq != std::string::npos) m[kv.substr(0, eq)] = kv.substr(eq + 1);
-  }
-  return m;
-}
-
-std::string get(const std::map<std::string, std::string>& m, const std::string& k,
-                const std::string& d) {
-  const auto it = m.find(k);
-  return it == m.end() ? d : it->second;
-}
 
 // The models: an MLP, a CNN with BatchNorm (SyncBatchNorm under DDP) and apex-train's
 // transformer. Each returns logits for `x`.

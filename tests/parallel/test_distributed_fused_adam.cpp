@@ -28,8 +28,10 @@
 
 namespace ap = apex::parallel;
 using apex::test::all_close;
+using apex::test::get;
 using apex::test::launch;
 using apex::test::LaunchOptions;
+using apex::test::parse_args;
 using apex::test::randn_seeded;
 using apex::test::RegisterWorker;
 using apex::test::tolerance_for;
@@ -37,22 +39,6 @@ using apex::test::tolerance_for;
 namespace {
 
 constexpr int64_t kBatch = 12;  // the global batch: divisible by 1, 2, 3 and 4 ranks
-
-std::map<std::string, std::string> parse_args(const std::string& arg) {
-  std::map<std::string, std::string> m;
-  std::istringstream in(arg);
-  for (std::string kv; std::getline(in, kv, ',');) {
-    const auto eq = kv.find('=');
-    if (eq != std::string::npos) m[kv.substr(0, eq)] = kv.substr(eq + 1);
-  }
-  return m;
-}
-
-std::string get(const std::map<std::string, std::string>& m, const std::string& k,
-                const std::string& d) {
-  const auto it = m.find(k);
-  return it == m.end() ? d : it->second;
-}
 
 torch::nn::Sequential mlp(int64_t hidden = 16) {
   // 12*16+16, 16*16+16, 16*4+4: 548 elements, none a multiple of the shard unit.

@@ -618,12 +618,24 @@ TEST_F(TrainFiles, ZeroTrainsAsDdpAndResumesOnAnotherWorldSize) {
   }
   EXPECT_EQ(records, 3);
   EXPECT_GT(apex::train::summary_from_json(read_text(path("zero.jsonl"))).optimizer_state_mb, 0);
-  // O1 (autocast) runs; O2 is refused with the reason.
+  // amp's levels: amp casts the model and runs the forward, the shards keep the fp32 masters, a
+  // GradScaler scales fp16 losses (and is checkpointed beside the shards).
   const Proc o1 = run(common + "--opt-level O1 --zero");
   EXPECT_EQ(o1.status, 0) << o1.out;
-  const Proc o2 = run(common + "--opt-level O2 --zero");
-  EXPECT_NE(o2.status, 0);
-  EXPECT_NE(o2.out.find("--zero runs fp32, O0 and O1"), std::string::npos) << o2.out;
+  const Proc o2 = run(common +
+                      "--opt-level O2 --half-dtype fp16 --zero --checkpoint-every 2 "
+                      "--stop-after 4 --checkpoint " +
+                      path("o2"));
+  ASSERT_EQ(o2.status, 0) << o2.out;
+  EXPECT_TRUE(fs::exists(path("o2") + "/step-4/scaler.pt"));
+  const Proc o2r =
+      run(common + "--opt-level O2 --half-dtype fp16 --zero --resume --checkpoint " + path("o2"));
+  ASSERT_EQ(o2r.status, 0) << o2r.out;
+  EXPECT_EQ(read_text(path("o2") + "/latest"), "step-6\n");
+  const Proc scale = run(common + "--opt-level O2 --zero --loss-scale 128");
+  EXPECT_NE(scale.status, 0);
+  EXPECT_NE(scale.out.find("--loss-scale does not apply to --zero"), std::string::npos)
+      << scale.out;
   // Saved by two ranks, resumed by three, deliberately (the global batch changes).
   const std::string ck =
       common + "--opt-level fp32 --zero --checkpoint-every 2 --checkpoint " + path("ck") + " ";

@@ -110,7 +110,8 @@ struct Checkpoint {
   std::string run;
   json::Object meta;
   bool has_amp = false;
-  bool has_zero = false;  ///< a sharded optimizer (zero/) instead of optimizer.pt
+  bool has_zero = false;    ///< a sharded optimizer (zero/) instead of optimizer.pt
+  bool has_scaler = false;  ///< a GradScaler's state (--zero at fp16 levels)
 };
 
 // Checks `folder` completely (manifest, every file's size and CRC-32, meta.json's fields and
@@ -141,7 +142,7 @@ Checkpoint verify_checkpoint(const fs::path& folder) {
     const bool shard = name.rfind("zero/", 0) == 0 && name.find('/', 5) == std::string::npos &&
                        name.find("..") == std::string::npos && name.size() > 5;
     TORCH_CHECK(name == "model.pt" || name == "optimizer.pt" || name == "amp.pt" ||
-                    name == "meta.json" || shard,
+                    name == "scaler.pt" || name == "meta.json" || shard,
                 mwhat, ": unexpected entry \"", name, "\"");
     ck.has_zero = ck.has_zero || shard;
     const std::string want = json::string_at(manifest, name, mwhat);
@@ -152,6 +153,7 @@ Checkpoint verify_checkpoint(const fs::path& folder) {
                 ", the manifest says ", want,
                 "): the file is corrupted, or comes from another step or run");
     ck.has_amp = ck.has_amp || name == "amp.pt";
+    ck.has_scaler = ck.has_scaler || name == "scaler.pt";
   }
   for (const char* name :
        {"model.pt", ck.has_zero ? "zero/manifest.pt" : "optimizer.pt", "meta.json"}) {
@@ -268,7 +270,8 @@ std::string new_run_id() {
 
 void save_checkpoint(const TrainOptions& o, int64_t world, int64_t step, const std::string& run,
                      torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                     apex::amp::Amp* amp, const std::string& shards) {
+                     apex::amp::Amp* amp, const std::string& shards,
+                     const apex::amp::GradScaler* scaler) {
   const fs::path dir(o.checkpoint);
   const fs::path tmp = dir / (".tmp-step-" + std::to_string(step));
   const fs::path final_dir = dir / ("step-" + std::to_string(step));
@@ -293,6 +296,10 @@ void save_checkpoint(const TrainOptions& o, int64_t world, int64_t step, const s
     if (amp != nullptr) {
       amp->save((tmp / "amp.pt").string());
       files.push_back("amp.pt");
+    }
+    if (scaler != nullptr) {
+      scaler->save((tmp / "scaler.pt").string());
+      files.push_back("scaler.pt");
     }
     std::string meta = "{\"format\": " + std::to_string(kCheckpointFormat) +
                        ", \"step\": " + std::to_string(step) + ", \"run\": " + json::quote(run) +
@@ -354,7 +361,8 @@ std::string save_zero_shards(const TrainOptions& o, int64_t step,
 
 // Returns the step to continue from, and the run's id in `run`.
 int64_t load_checkpoint(const TrainOptions& o, int64_t world, torch::nn::Module& model,
-                        torch::optim::Optimizer& optimizer, apex::amp::Amp* amp, std::string& run) {
+                        torch::optim::Optimizer& optimizer, apex::amp::Amp* amp, std::string& run,
+                        apex::amp::GradScaler* scaler) {
   const fs::path dir(o.checkpoint);
   const std::string who = "apex-train: --resume: ";
   std::string name = o.resume_from;
@@ -406,6 +414,9 @@ int64_t load_checkpoint(const TrainOptions& o, int64_t world, torch::nn::Module&
   TORCH_CHECK(ck.has_zero == o.zero, who, ck.folder.string(),
               ck.has_zero ? " holds a sharded optimizer (written with --zero): resume with --zero"
                           : " holds an unsharded optimizer: resume without --zero");
+  TORCH_CHECK(ck.has_scaler == (scaler != nullptr), who, ck.folder.string(),
+              ck.has_scaler ? " holds a GradScaler state this run has no use for"
+                            : " has no GradScaler state, which this run needs");
   TORCH_CHECK(ck.has_amp == (amp != nullptr), who, ck.folder.string(),
               ck.has_amp ? " holds an amp state this run has no use for"
                          : " has no amp state, which this run needs");
@@ -448,6 +459,7 @@ int64_t load_checkpoint(const TrainOptions& o, int64_t world, torch::nn::Module&
     apex::load_optimizer(optimizer, (ck.folder / "optimizer.pt").string());
   }
   if (amp != nullptr) amp->load((ck.folder / "amp.pt").string());
+  if (scaler != nullptr) scaler->load((ck.folder / "scaler.pt").string());
   run = ck.run;
   return ck.step;
 }

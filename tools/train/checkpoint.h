@@ -3,6 +3,7 @@
 // apex-train's checkpoints and run settings (checkpoint.cpp): save, verify and resume step folders,
 // and compare the ranks' settings.
 
+#include <apex/amp/grad_scaler.h>
 #include <apex/amp/initialize.h>
 #include <apex/parallel/distributed_fused_adam.h>
 #include <apex/parallel/process_group.h>
@@ -28,7 +29,8 @@ std::string new_run_id();
 /// "zero" folder in place of optimizer.pt.
 void save_checkpoint(const TrainOptions& o, int64_t world, int64_t step, const std::string& run,
                      torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                     apex::amp::Amp* amp, const std::string& shards = "");
+                     apex::amp::Amp* amp, const std::string& shards = "",
+                     const apex::amp::GradScaler* scaler = nullptr);
 
 /// --zero: every rank writes its optimizer shard for step `step` into a staging folder of
 /// --checkpoint (every rank must call it); returns the folder.
@@ -38,6 +40,7 @@ std::string save_zero_shards(const TrainOptions& o, int64_t step,
 /// Verifies and loads the checkpoint --resume names; returns the step to continue from and sets
 /// `run` to the run's id.
 int64_t load_checkpoint(const TrainOptions& o, int64_t world, torch::nn::Module& model,
-                        torch::optim::Optimizer& optimizer, apex::amp::Amp* amp, std::string& run);
+                        torch::optim::Optimizer& optimizer, apex::amp::Amp* amp, std::string& run,
+                        apex::amp::GradScaler* scaler = nullptr);
 
 }  // namespace apex::train

@@ -183,7 +183,7 @@ distributed (Gloo over TCP; docs/distributed.md)
   --nproc N             start N local ranks itself (on 127.0.0.1) and train with --ddp
   --sync-bn             resnet: BatchNorm statistics over every rank's batch (SyncBatchNorm)
   --zero                ZeRO-2 with --ddp/--nproc: Adam's state and the gradients sharded over
-                        the ranks (DistributedFusedAdam); fp32, O0 or O1 (autocast + GradScaler)
+                        the ranks (DistributedFusedAdam; amp casts the model, a GradScaler for fp16)
   --zero-reduce-scatter M  auto (all-to-all on Gloo: (W-1)/W of the gradients), all-to-all, or
                         native (Gloo's own: an all-reduce, twice the bytes)
   --bucket-cap-mb X     DDP's gradient bucket size in MiB, the first bucket's too, as Python

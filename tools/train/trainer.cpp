@@ -3,7 +3,6 @@
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/cross_entropy_loss.h>
-#include <apex/amp/autocast.h>
 #include <apex/amp/grad_scaler.h>
 #include <apex/amp/initialize.h>
 #include <apex/io.h>
@@ -280,11 +279,10 @@ Summary train(const TrainOptions& o, const Split& data) {
   TORCH_CHECK(data.train.size() > 0 && data.test.size() > 0,
               "apex-train: the data has an empty train or test split");
   if (o.threads > 0) at::set_num_threads(o.threads);
-  TORCH_CHECK(!o.zero || o.opt_level == "fp32" || o.opt_level == "O0" || o.opt_level == "O1",
-              "apex-train: --zero runs fp32, O0 and O1 (autocast + GradScaler); at ", o.opt_level,
-              " amp keeps its own fp32 masters, which the sharded optimizer does not take yet");
-  // --zero keeps amp out: O1 is autocast around the forward and, for fp16, a GradScaler.
-  const bool plain = o.opt_level == "fp32" || o.zero;
+  TORCH_CHECK(!o.zero || o.loss_scale.empty(),
+              "apex-train: --loss-scale does not apply to --zero, whose fp16 levels use a dynamic "
+              "GradScaler");
+  const bool plain = o.opt_level == "fp32";
   // Data-parallel: every rank trains on its shard of each global batch of batch_size * world.
   std::optional<apex::parallel::ProcessGroup> pg;
   if (o.ddp && o.device.is_cuda()) {
@@ -325,9 +323,21 @@ Summary train(const TrainOptions& o, const Split& data) {
   std::shared_ptr<Classifier> model = make_model(mc, data.train, o.seed);
   model->to(o.device);
   std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (!o.zero) optimizer = make_optimizer(o, model->parameters());
+  // With --zero amp only casts the model and runs its forward (O1: autocast; O2/O3: the half
+  // model); the sharded optimizer keeps the fp32 masters (at O3 too) and a GradScaler scales
+  // fp16 losses.
+  std::optional<apex::amp::Amp> amp;
+  if (!plain) {
+    apex::amp::Options ao(apex::amp::parse_opt_level(o.opt_level));
+    ao.half_dtype(o.half_dtype).verbosity(0);
+    if (!o.loss_scale.empty()) ao.loss_scale(apex::amp::LossScale::parse(o.loss_scale));
+    std::vector<torch::optim::Optimizer*> managed;
+    if (!o.zero) managed.push_back(optimizer.get());
+    amp.emplace(apex::amp::initialize({model}, managed, ao));
+  }
   apex::parallel::DistributedFusedAdam* zero = nullptr;
   std::optional<apex::amp::GradScaler> scaler;
-  const bool autocast = o.zero && o.opt_level == "O1";
   if (o.zero) {
     auto dfa = std::make_unique<apex::parallel::DistributedFusedAdam>(
         model->parameters(),
@@ -341,23 +351,19 @@ Summary train(const TrainOptions& o, const Split& data) {
         *pg);
     zero = dfa.get();
     optimizer = std::move(dfa);
-    if (autocast && o.half_dtype == at::kHalf) {
+    if (!plain && o.opt_level != "O0" && o.half_dtype == at::kHalf) {
       scaler.emplace(apex::amp::GradScalerOptions().device(o.device.type()));
     }
-  } else {
-    optimizer = make_optimizer(o, model->parameters());
   }
-  std::optional<apex::amp::Amp> amp;
-  if (!plain) {
-    apex::amp::Options ao(apex::amp::parse_opt_level(o.opt_level));
-    ao.half_dtype(o.half_dtype).verbosity(0);
-    if (!o.loss_scale.empty()) ao.loss_scale(apex::amp::LossScale::parse(o.loss_scale));
-    amp.emplace(apex::amp::initialize({model}, {optimizer.get()}, ao));
-  }
-  apex::amp::Amp* ampp = amp ? &*amp : nullptr;
+  // The handle that manages the optimizer (scale_loss, step); with --zero only its forward.
+  apex::amp::Amp* ampp = amp && !o.zero ? &*amp : nullptr;
+  apex::amp::Amp* amp_forward = amp ? &*amp : nullptr;
   int64_t start = 0;
   std::string run_id = new_run_id();
-  if (o.resume) start = load_checkpoint(o, world, *model, *optimizer, ampp, run_id);
+  if (o.resume) {
+    start =
+        load_checkpoint(o, world, *model, *optimizer, ampp, run_id, scaler ? &*scaler : nullptr);
+  }
   TORCH_CHECK(o.stop_after == 0 || o.stop_after > start, "apex-train: --stop-after ", o.stop_after,
               " is not after the resumed checkpoint's step ", start);
   // After initialize (DDP reduces the gradients of the parameters as amp cast them).
@@ -370,12 +376,8 @@ Summary train(const TrainOptions& o, const Split& data) {
     ddp.emplace(model, ddp_options, *pg);
   }
   const auto forward = [&](const at::Tensor& x) {
-    if (autocast) {
-      const apex::amp::AutocastGuard guard(o.device.type(), o.half_dtype);
-      return model->forward(x);
-    }
     if (ddp) return ampp ? ampp->forward(*ddp, x) : (*ddp)->forward(x);
-    return ampp ? ampp->forward(model, x) : model->forward(x);
+    return amp_forward ? amp_forward->forward(model, x) : model->forward(x);
   };
   TORCH_CHECK(start < total, "apex-train: --resume: the checkpoint is at step ", start,
               " and this run has ", total,
@@ -527,7 +529,8 @@ Summary train(const TrainOptions& o, const Split& data) {
         std::string shards;
         if (zero != nullptr) shards = save_zero_shards(o, step + 1, *zero);
         if (rank == 0) {
-          save_checkpoint(o, world, step + 1, run_id, *model, *optimizer, ampp, shards);
+          save_checkpoint(o, world, step + 1, run_id, *model, *optimizer, ampp, shards,
+                          scaler ? &*scaler : nullptr);
         }
         if (pg) pg->barrier();
       }
@@ -543,7 +546,7 @@ Summary train(const TrainOptions& o, const Split& data) {
   }
   progress.finish();
   // Rank 0 evaluates (every rank holds the same weights); the summary is its.
-  const Eval e = rank == 0 ? evaluate(model, ampp, data.test, o.device, 256) : Eval{};
+  const Eval e = rank == 0 ? evaluate(model, amp_forward, data.test, o.device, 256) : Eval{};
   s.rank = rank;
   s.world_size = world;
   if (ddp) {
@@ -560,7 +563,7 @@ Summary train(const TrainOptions& o, const Split& data) {
   s.test_loss = e.loss;
   s.test_accuracy = e.accuracy;
   s.skipped_steps = ampp ? ampp->skipped_steps() : 0;
-  s.loss_scale = ampp ? ampp->loss_scale() : 1.0;
+  s.loss_scale = ampp ? ampp->loss_scale() : scaler ? scaler->get_scale() : 1.0;
   s.peak_rss_mb = peak_rss_mb();
   if (zero != nullptr) {
     const auto mem = zero->memory();
