@@ -287,7 +287,13 @@ struct DistributedFusedOptimizer::Impl {
       finish(in_flight.front());
     }
     at::Tensor& full = full_buffer(b, static_cast<int64_t>(bi));
-    if (settings.average_grad_sync && world > 1) full.div_(static_cast<double>(world));
+    if (world == 1) {  // a group of one: the bucket is the shard
+      grad_shard.narrow(0, b.local_offset, b.shard).copy_(full);
+      if (!settings.contiguous_grad_buffer) give(std::move(b.full));
+      b.state = BucketState::kReduced;
+      return;
+    }
+    if (settings.average_grad_sync) full.div_(static_cast<double>(world));
     try {
       if (algorithm == ReduceScatter::kNative) {
         at::Tensor out = grad_shard.narrow(0, b.local_offset, b.shard);
@@ -397,7 +403,8 @@ struct DistributedFusedOptimizer::Impl {
 
   // Every rank's shard of the parameters to every rank, bucket by bucket (pipelined).
   void all_gather_params() {
-    if (buckets.empty()) return;
+    // A group of one: the kernel already wrote every parameter.
+    if (buckets.empty() || world == 1) return;
     std::vector<std::pair<at::Tensor, at::Tensor>> bufs(buckets.size());  // send, receive
     std::vector<c10::intrusive_ptr<c10d::Work>> works(buckets.size());
     size_t done = 0;
