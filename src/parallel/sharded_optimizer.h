@@ -87,7 +87,8 @@ struct DistributedFusedOptimizer::Impl {
     int64_t numel = 0;
     std::vector<int64_t> buckets;  // distinct, in order
     std::vector<int64_t> fragments;
-    bool arrived = false;
+    bool arrived = false;      // in this backward (counts toward its buckets)
+    bool accumulated = false;  // its gradient is in its buckets since the last step
   };
 
   DistributedFusedOptimizer* owner = nullptr;
@@ -104,8 +105,9 @@ struct DistributedFusedOptimizer::Impl {
   std::vector<Param> params;
   std::vector<Fragment> fragments;
   std::vector<Bucket> buckets;
-  std::vector<ShardFragment> local;  // this rank's
-  int64_t shard_elements = 0;        // L: equal on every rank
+  std::vector<ShardFragment> local;                                // this rank's
+  std::vector<std::vector<std::vector<ShardFragment>>> by_bucket;  // [bucket][rank]
+  int64_t shard_elements = 0;                                      // L: equal on every rank
 
   at::Tensor exp_avg, exp_avg_sq, master, grad_shard;  // [L]
   at::Tensor contiguous;                               // contiguous_grad_buffer
@@ -166,6 +168,10 @@ struct DistributedFusedOptimizer::Impl {
       start += used;
     }
     local = shard_fragments(rank);
+    by_bucket.assign(buckets.size(), std::vector<std::vector<ShardFragment>>(world));
+    for (int64_t r = 0; r < world; ++r) {
+      for (const auto& sf : shard_fragments(r)) by_bucket[sf.bucket][r].push_back(sf);
+    }
   }
 
   // The fragments of rank r's shards, in local order.
@@ -230,10 +236,11 @@ struct DistributedFusedOptimizer::Impl {
         int64_t off = 0;
         for (int64_t i = 0; i < bi; ++i) off += buckets[i].size;
         b.full = contiguous.narrow(0, off, b.size);
-        b.full.zero_();
       } else {
-        b.full = take(b.size, grad_dtype).zero_();
+        b.full = take(b.size, grad_dtype);
       }
+      // A parameter's first gradient is copied in, later ones added (accumulation); what no
+      // gradient reaches is zeroed when the bucket is sent (fill_missing).
     }
     return b.full;
   }
@@ -259,11 +266,15 @@ struct DistributedFusedOptimizer::Impl {
     for (const int64_t fi : p.fragments) {
       const auto& f = fragments[fi];
       auto& b = buckets[f.bucket];
-      full_buffer(b, f.bucket)
-          .narrow(0, f.bucket_offset, f.length)
-          .add_(g.narrow(0, f.param_offset, f.length));
+      at::Tensor region = full_buffer(b, f.bucket).narrow(0, f.bucket_offset, f.length);
+      if (p.accumulated) {
+        region.add_(g.narrow(0, f.param_offset, f.length));
+      } else {
+        region.copy_(g.narrow(0, f.param_offset, f.length));
+      }
       b.state = BucketState::kFilling;
     }
+    p.accumulated = true;
     grad = at::Tensor();  // the bucket holds it now: p.grad's memory is released
     synced = false;
     if (!p.arrived) {
@@ -271,6 +282,17 @@ struct DistributedFusedOptimizer::Impl {
       for (const int64_t bi : p.buckets) ++buckets[bi].arrived;
     }
     if (sync_enabled && settings.overlap_grad_sync) launch_ready();
+  }
+
+  // Zeros where no gradient was written: parameters without one (unused in this backward) and
+  // the bucket's padding.
+  void fill_missing(Bucket& b) {
+    int64_t used = 0;
+    for (const auto& f : b.fragments) {
+      if (!params[f.param].accumulated) b.full.narrow(0, f.bucket_offset, f.length).zero_();
+      used = std::max(used, f.bucket_offset + f.length);
+    }
+    if (used < b.size) b.full.narrow(0, used, b.size - used).zero_();
   }
 
   void launch_ready() {
@@ -287,6 +309,7 @@ struct DistributedFusedOptimizer::Impl {
       finish(in_flight.front());
     }
     at::Tensor& full = full_buffer(b, static_cast<int64_t>(bi));
+    fill_missing(b);
     if (world == 1) {  // a group of one: the bucket is the shard
       grad_shard.narrow(0, b.local_offset, b.shard).copy_(full);
       if (!settings.contiguous_grad_buffer) give(std::move(b.full));
@@ -363,7 +386,7 @@ struct DistributedFusedOptimizer::Impl {
       b.arrived = 0;
       b.state = BucketState::kEmpty;
     }
-    for (auto& p : params) p.arrived = false;
+    for (auto& p : params) p.arrived = p.accumulated = false;
     next_launch = 0;
     synced = false;
     unscaled = false;
@@ -405,27 +428,34 @@ struct DistributedFusedOptimizer::Impl {
   void all_gather_params() {
     // A group of one: the kernel already wrote every parameter.
     if (buckets.empty() || world == 1) return;
+    // On Gloo the shard goes to each other rank by point-to-point sends (the same (W-1)/W of the
+    // bucket as an all-gather): Gloo's all-gather ran 2.7x slower than its all-to-all for the
+    // same bytes (loopback, 2 ranks, 100 MiB buckets), and the sends need no copy of the shard.
+    const bool p2p = algorithm == ReduceScatter::kAllToAll;
     std::vector<std::pair<at::Tensor, at::Tensor>> bufs(buckets.size());  // send, receive
-    std::vector<c10::intrusive_ptr<c10d::Work>> works(buckets.size());
+    std::vector<std::vector<c10::intrusive_ptr<c10d::Work>>> works(buckets.size());
     size_t done = 0;
     auto unpack = [&](size_t bi) {
-      wait(works[bi], "parameter all-gather", static_cast<int64_t>(bi));
-      works[bi].reset();
-      const at::Tensor& recv = bufs[bi].second;
-      for (const auto& f : buckets[bi].fragments) {
-        flat(f.param)
-            .narrow(0, f.param_offset, f.length)
-            .copy_(recv.narrow(0, f.bucket_offset, f.length));
+      for (auto& w : works[bi]) wait(w, "parameter all-gather", static_cast<int64_t>(bi));
+      works[bi].clear();
+      const auto& b = buckets[bi];
+      for (int64_t r = 0; r < world; ++r) {
+        // This rank's own piece too, from what it sent (rounded as the others received it).
+        const at::Tensor src =
+            r == rank ? bufs[bi].first : bufs[bi].second.narrow(0, r * b.shard, b.shard);
+        for (const auto& sf : by_bucket[bi][r]) {
+          flat(sf.param)
+              .narrow(0, sf.param_offset, sf.length)
+              .copy_(src.narrow(0, sf.shard_offset, sf.length));
+        }
       }
       give(std::move(bufs[bi].first));
       give(std::move(bufs[bi].second));
     };
-    size_t li = 0;
     for (size_t bi = 0; bi < buckets.size(); ++bi) {
       const auto& b = buckets[bi];
       at::Tensor send = take(b.shard, param_dtype).zero_();
-      for (; li < local.size() && local[li].bucket == static_cast<int64_t>(bi); ++li) {
-        const auto& sf = local[li];
+      for (const auto& sf : by_bucket[bi][rank]) {
         send.narrow(0, sf.shard_offset, sf.length)
             .copy_(flat(sf.param).narrow(0, sf.param_offset, sf.length));
       }
@@ -435,18 +465,17 @@ struct DistributedFusedOptimizer::Impl {
         unpack(done++);
       }
       try {
-        if (algorithm == ReduceScatter::kAllToAll && world > 1) {
-          // Gloo's all-gather ran 2.7x slower than its all-to-all for the same bytes (loopback,
-          // 2 ranks, 100 MiB buckets): the shard goes to every rank as an all-to-all of W
-          // copies, which sends the same (W-1)/W of the bucket.
-          at::Tensor copies = take(b.size, param_dtype);
-          copies.view({world, b.shard}).copy_(send.unsqueeze(0).expand({world, b.shard}));
-          give(std::move(bufs[bi].first));
-          bufs[bi].first = std::move(copies);
-          std::vector<int64_t> even;
-          works[bi] = pg->all_to_all_single(bufs[bi].second, bufs[bi].first, even, even);
+        if (p2p) {
+          const int tag = static_cast<int>(bi);
+          for (int64_t r = 0; r < world; ++r) {
+            if (r == rank) continue;
+            std::vector<at::Tensor> out{bufs[bi].first};
+            std::vector<at::Tensor> in{bufs[bi].second.narrow(0, r * b.shard, b.shard)};
+            works[bi].push_back(pg->send(out, static_cast<int>(r), tag));
+            works[bi].push_back(pg->recv(in, static_cast<int>(r), tag));
+          }
         } else {
-          works[bi] = pg->all_gather_single(bufs[bi].second, bufs[bi].first);
+          works[bi].push_back(pg->all_gather_single(bufs[bi].second, bufs[bi].first));
         }
       } catch (const std::exception& e) {
         TORCH_CHECK(false, where(), ": the parameter all-gather of bucket ", bi,

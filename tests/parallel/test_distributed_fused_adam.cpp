@@ -190,8 +190,12 @@ struct Reference {
       for (int m = 0; m < run.micro; ++m) {
         const at::Tensor x = inputs(step, m).to(run.dtype).slice(0, r * n, (r + 1) * n);
         const at::Tensor t = targets(step, m).to(run.dtype).slice(0, r * n, (r + 1) * n);
-        const auto gs = torch::autograd::grad({at::mse_loss(model->forward(x), t)}, params);
-        for (size_t i = 0; i < gs.size(); ++i) acc[i].add_(gs[i].to(at::kFloat));
+        // An unused parameter's gradient is zero, as the sharded optimizer treats it.
+        const auto gs = torch::autograd::grad({at::mse_loss(model->forward(x), t)}, params, {},
+                                              std::nullopt, false, /*allow_unused=*/true);
+        for (size_t i = 0; i < gs.size(); ++i) {
+          if (gs[i].defined()) acc[i].add_(gs[i].to(at::kFloat));
+        }
       }
       for (size_t i = 0; i < acc.size(); ++i) {
         if (world > 1) acc[i].div_(static_cast<double>(world));
@@ -268,11 +272,16 @@ ap::ProcessGroup join() {
 // The model of this rank (another initialization than rank 0's, which the optimizer's broadcast
 // must replace) and the reference (rank 0's).
 std::pair<torch::nn::Sequential, torch::nn::Sequential> models(int rank, at::ScalarType dtype,
-                                                               int64_t hidden = 16) {
+                                                               int64_t hidden = 16,
+                                                               bool unused = false) {
+  // A parameter no forward uses ("unused"): no gradient ever reaches its bucket region, which
+  // must be sent as zeros (the buffers are reused, so a missed zeroing sends stale values).
   torch::manual_seed(1);
   auto ref = mlp();
+  if (unused) ref->register_parameter("unused", at::randn({40}));
   torch::manual_seed(100 + rank);
   auto local = mlp(hidden);
+  if (unused) local->register_parameter("unused", at::randn({40}));
   if (rank == 0) copy_params(*local, *ref);
   ref->to(dtype);
   local->to(dtype);
@@ -289,10 +298,11 @@ int equivalence(int rank, int world, const std::string& arg) {
   run.inf_step = std::stoi(get(a, "inf_step", "-1"));
   run.clip = std::stod(get(a, "clip", "0"));
   run.contiguous = get(a, "contiguous", "0") == "1";
+  const bool unused = get(a, "unused", "0") == "1";
   const bool scaled = get(a, "scaler", "0") == "1" || run.inf_step >= 0;
   const int steps = std::stoi(get(a, "steps", "4"));
   auto pg = join();
-  auto [ref_model, local] = models(rank, run.dtype);
+  auto [ref_model, local] = models(rank, run.dtype, 16, unused);
   const bool lamb = get(a, "opt", "adam") == "lamb";
   Reference ref(ref_model, lamb);
   std::unique_ptr<ap::DistributedFusedOptimizer> opt_holder;
@@ -610,6 +620,10 @@ TEST(DistributedFusedAdam, NoSyncAccumulationOverThreeMicroBatches) {
   run("dfa_equivalence", 3, "micro=3,contiguous=1");
 }
 TEST(DistributedFusedAdam, OneBucket) { run("dfa_equivalence", 2, "bucket_mb=100"); }
+TEST(DistributedFusedAdam, UnusedParameterTravelsAsZeros) {
+  run("dfa_equivalence", 3, "unused=1");
+  run("dfa_equivalence", 2, "unused=1,micro=3");
+}
 
 // LAMB: per-parameter norms over fragments in other buckets and on other ranks.
 TEST(DistributedFusedLAMB, MatchesFusedLAMBOnOneToFourRanks) {
