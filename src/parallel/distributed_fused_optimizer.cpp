@@ -133,28 +133,19 @@ DistributedFusedOptimizer::DistributedFusedOptimizer(
                 sigs[r], "); every rank must construct it with the same parameters and settings");
   }
 
-  m.build_layout(s.bucket_cap_mb);
-  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
-  m.exp_avg = at::zeros({m.shard_elements}, f32);
-  m.exp_avg_sq = at::zeros({m.shard_elements}, f32);
-  m.grad_shard = at::zeros({m.shard_elements}, f32.dtype(m.grad_dtype));
-  if (s.contiguous_grad_buffer) {
-    int64_t total = 0;
-    for (const auto& b : m.buckets) total += b.size;
-    m.contiguous = at::zeros({total}, f32.dtype(m.grad_dtype));
-  }
+  m.order.resize(m.params.size());
+  for (size_t i = 0; i < m.order.size(); ++i) m.order[i] = static_cast<int64_t>(i);
   m.steps.assign(param_groups_.size(), 0);
-
   // Start from rank 0's parameters (as DDP does), then take the masters from them.
   {
     const torch::NoGradGuard no_grad;
     for (auto& p : m.params) group_.broadcast_(p.tensor, 0);
-    if (m.any_half()) {
-      m.master = at::zeros({m.shard_elements}, f32);
-      for (const auto& sf : m.local) {
-        m.master.narrow(0, sf.local_offset, sf.length)
-            .copy_(m.flat(sf.param).narrow(0, sf.param_offset, sf.length));
-      }
+  }
+  m.build_layout(s.bucket_cap_mb);
+  if (m.master.defined()) {
+    for (const auto& sf : m.local) {
+      m.master.narrow(0, sf.local_offset, sf.length)
+          .copy_(m.flat(sf.param).narrow(0, sf.param_offset, sf.length));
     }
   }
   for (size_t i = 0; i < m.params.size(); ++i) {
@@ -212,6 +203,7 @@ at::Tensor DistributedFusedOptimizer::scaled_step(const at::Tensor& inv_scale) {
     }
   }
   m.reset_grads();
+  m.follow_arrival_order();
   return found;
 }
 
@@ -286,6 +278,12 @@ ShardedMemory DistributedFusedOptimizer::memory() const {
 int64_t DistributedFusedOptimizer::step_count(size_t group) const {
   TORCH_CHECK(group < impl_->steps.size(), impl_->name, ": no group ", group);
   return impl_->steps[group];
+}
+
+std::vector<at::Tensor> DistributedFusedOptimizer::layout() const {
+  std::vector<at::Tensor> out;
+  for (const int64_t i : impl_->order) out.push_back(impl_->params[i].tensor);
+  return out;
 }
 
 ReduceScatter DistributedFusedOptimizer::reduce_scatter_algorithm() const {

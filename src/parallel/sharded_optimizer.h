@@ -87,8 +87,9 @@ struct DistributedFusedOptimizer::Impl {
     int64_t numel = 0;
     std::vector<int64_t> buckets;  // distinct, in order
     std::vector<int64_t> fragments;
-    bool arrived = false;      // in this backward (counts toward its buckets)
-    bool accumulated = false;  // its gradient is in its buckets since the last step
+    bool arrived = false;           // in this backward (counts toward its buckets)
+    bool accumulated = false;       // its gradient is in its buckets since the last step
+    bool accumulated_ever = false;  // its gradient arrived before (arrival order)
   };
 
   DistributedFusedOptimizer* owner = nullptr;
@@ -105,6 +106,9 @@ struct DistributedFusedOptimizer::Impl {
   std::vector<Param> params;
   std::vector<Fragment> fragments;
   std::vector<Bucket> buckets;
+  std::vector<int64_t> order;    // the layout: indices into params
+  std::vector<int64_t> arrival;  // the first backward's gradient order (follow_arrival_order)
+  bool arrival_final = false;
   std::vector<ShardFragment> local;                                // this rank's
   std::vector<std::vector<std::vector<ShardFragment>>> by_bucket;  // [bucket][rank]
   int64_t shard_elements = 0;                                      // L: equal on every rank
@@ -125,6 +129,7 @@ struct DistributedFusedOptimizer::Impl {
     return s.str();
   }
 
+  // Lays the parameters out in `order` (indices into params) and allocates this rank's state.
   void build_layout(double bucket_cap_mb) {
     const int64_t unit = world * detail::kAlign;
     const double cap_elems =
@@ -135,7 +140,7 @@ struct DistributedFusedOptimizer::Impl {
     for (const auto& p : params) total += p.numel;
     // Cut the flat sequence of parameters (in layout order) into buckets of `cap`.
     int64_t start = 0;
-    size_t pi = 0;
+    size_t k = 0;  // position in `order`
     int64_t poff = 0;
     while (start < total) {
       Bucket b;
@@ -147,20 +152,21 @@ struct DistributedFusedOptimizer::Impl {
       const auto bi = static_cast<int64_t>(buckets.size());
       int64_t filled = 0;
       while (filled < used) {
+        const int64_t pi = order[k];
         auto& p = params[pi];
         const int64_t len = std::min(p.numel - poff, used - filled);
-        Fragment f{static_cast<int64_t>(pi), poff, bi, filled, len};
+        Fragment f{pi, poff, bi, filled, len};
         p.fragments.push_back(static_cast<int64_t>(fragments.size()));
         if (p.buckets.empty() || p.buckets.back() != bi) {
           p.buckets.push_back(bi);
-          b.params.push_back(static_cast<int64_t>(pi));
+          b.params.push_back(pi);
         }
         fragments.push_back(f);
         b.fragments.push_back(f);
         filled += len;
         poff += len;
         if (poff == p.numel) {
-          ++pi;
+          ++k;
           poff = 0;
         }
       }
@@ -172,6 +178,55 @@ struct DistributedFusedOptimizer::Impl {
     for (int64_t r = 0; r < world; ++r) {
       for (const auto& sf : shard_fragments(r)) by_bucket[sf.bucket][r].push_back(sf);
     }
+    const auto f32 = params.front().tensor.options().dtype(at::kFloat);
+    exp_avg = at::zeros({shard_elements}, f32);
+    exp_avg_sq = at::zeros({shard_elements}, f32);
+    grad_shard = at::zeros({shard_elements}, f32.dtype(grad_dtype));
+    master = any_half() ? at::zeros({shard_elements}, f32) : at::Tensor();
+    if (settings.contiguous_grad_buffer) {
+      int64_t all = 0;
+      for (const auto& b : buckets) all += b.size;
+      contiguous = at::zeros({all}, f32.dtype(grad_dtype));
+    }
+  }
+
+  // After the first step: the layout follows the order in which rank 0's first backward produced
+  // the gradients (apex's), so that the first bucket to fill is the first to go. The state moves
+  // to the new layout through the gathered whole state. Every rank calls it.
+  void follow_arrival_order() {
+    if (arrival_final) return;
+    arrival_final = true;
+    std::string mine;
+    for (const int64_t i : arrival) mine += std::to_string(i) + ",";
+    const std::string first = group.all_gather_string(mine).front();
+    std::vector<int64_t> next;
+    std::vector<char> seen(params.size(), 0);
+    std::istringstream in(first);
+    for (std::string item; std::getline(in, item, ',');) {
+      const int64_t i = std::stoll(item);
+      TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(params.size()) && !seen[i], where(),
+                  ": internal: rank 0's gradient order is malformed");
+      seen[i] = 1;
+      next.push_back(i);
+    }
+    for (const int64_t i : order) {
+      if (!seen[i]) next.push_back(i);  // no gradient in the first backward: where they were
+    }
+    arrival.clear();
+    if (next == order) return;
+    const Full full = gather_full();
+    const std::vector<int64_t> kept_steps = steps;
+    fragments.clear();
+    buckets.clear();
+    spare.clear();
+    shard_elements = 0;
+    for (auto& p : params) {
+      p.fragments.clear();
+      p.buckets.clear();
+    }
+    order = std::move(next);
+    build_layout(settings.bucket_cap_mb);
+    install(full, kept_steps);
   }
 
   // The fragments of rank r's shards, in local order.
@@ -277,6 +332,10 @@ struct DistributedFusedOptimizer::Impl {
     p.accumulated = true;
     grad = at::Tensor();  // the bucket holds it now: p.grad's memory is released
     synced = false;
+    if (!arrival_final && !p.accumulated_ever) {
+      p.accumulated_ever = true;
+      arrival.push_back(index);
+    }
     if (!p.arrived) {
       p.arrived = true;
       for (const int64_t bi : p.buckets) ++buckets[bi].arrived;

@@ -159,6 +159,15 @@ ap::DistributedFusedAdamOptions dfa_options(const Run& run) {
       .contiguous_grad_buffer(run.contiguous);
 }
 
+// The model's output, times its "scale" parameter when it has one: registered first, used last,
+// so its gradient arrives first while the layout starts with the last registered parameters
+// (the sharded optimizer re-lays itself out after the first step).
+at::Tensor apply(torch::nn::Sequential& m, const at::Tensor& x) {
+  at::Tensor y = m->forward(x);
+  if (const auto* scale = m->named_parameters(/*recurse=*/false).find("scale")) y = y * *scale;
+  return y;
+}
+
 // One process doing what W ranks do, in their order: each rank's slice's gradients (in the
 // model's dtype), accumulated over micro-batches in fp32, divided by W, summed in rank order
 // (the all-to-all reduce-scatter's order), then FusedAdam on fp32 masters (the model's own
@@ -191,7 +200,7 @@ struct Reference {
         const at::Tensor x = inputs(step, m).to(run.dtype).slice(0, r * n, (r + 1) * n);
         const at::Tensor t = targets(step, m).to(run.dtype).slice(0, r * n, (r + 1) * n);
         // An unused parameter's gradient is zero, as the sharded optimizer treats it.
-        const auto gs = torch::autograd::grad({at::mse_loss(model->forward(x), t)}, params, {},
+        const auto gs = torch::autograd::grad({at::mse_loss(apply(model, x), t)}, params, {},
                                               std::nullopt, false, /*allow_unused=*/true);
         for (size_t i = 0; i < gs.size(); ++i) {
           if (gs[i].defined()) acc[i].add_(gs[i].to(at::kFloat));
@@ -222,7 +231,7 @@ bool iteration(int rank, int world, int step, const Run& run, torch::nn::Sequent
   for (int m = 0; m < run.micro; ++m) {
     const at::Tensor xs = inputs(step, m).to(run.dtype).slice(0, rank * n, (rank + 1) * n);
     const at::Tensor ts = targets(step, m).to(run.dtype).slice(0, rank * n, (rank + 1) * n);
-    at::Tensor loss = at::mse_loss(local->forward(xs), ts);
+    at::Tensor loss = at::mse_loss(apply(local, xs), ts);
     if (inf && rank == run.inf_rank && m == 0) loss = loss * std::numeric_limits<float>::infinity();
     if (scaler != nullptr) loss = scaler->scale(loss);
     if (m + 1 < run.micro) {
@@ -273,15 +282,18 @@ ap::ProcessGroup join() {
 // must replace) and the reference (rank 0's).
 std::pair<torch::nn::Sequential, torch::nn::Sequential> models(int rank, at::ScalarType dtype,
                                                                int64_t hidden = 16,
-                                                               bool unused = false) {
+                                                               bool unused = false,
+                                                               bool scaled = false) {
   // A parameter no forward uses ("unused"): no gradient ever reaches its bucket region, which
   // must be sent as zeros (the buffers are reused, so a missed zeroing sends stale values).
   torch::manual_seed(1);
   auto ref = mlp();
   if (unused) ref->register_parameter("unused", at::randn({40}));
+  if (scaled) ref->register_parameter("scale", at::rand({4}) + 0.5);
   torch::manual_seed(100 + rank);
   auto local = mlp(hidden);
   if (unused) local->register_parameter("unused", at::randn({40}));
+  if (scaled) local->register_parameter("scale", at::rand({4}) + 0.5);
   if (rank == 0) copy_params(*local, *ref);
   ref->to(dtype);
   local->to(dtype);
@@ -299,10 +311,11 @@ int equivalence(int rank, int world, const std::string& arg) {
   run.clip = std::stod(get(a, "clip", "0"));
   run.contiguous = get(a, "contiguous", "0") == "1";
   const bool unused = get(a, "unused", "0") == "1";
+  const bool scale_param = get(a, "scale", "0") == "1";
   const bool scaled = get(a, "scaler", "0") == "1" || run.inf_step >= 0;
   const int steps = std::stoi(get(a, "steps", "4"));
   auto pg = join();
-  auto [ref_model, local] = models(rank, run.dtype, 16, unused);
+  auto [ref_model, local] = models(rank, run.dtype, 16, unused, scale_param);
   const bool lamb = get(a, "opt", "adam") == "lamb";
   Reference ref(ref_model, lamb);
   std::unique_ptr<ap::DistributedFusedOptimizer> opt_holder;
@@ -334,8 +347,28 @@ int equivalence(int rank, int world, const std::string& arg) {
   }
   int bad = 0;
   int64_t taken = 0;
+  auto position = [&](const std::vector<at::Tensor>& layout) {
+    std::string out;
+    const auto ps = local->parameters();
+    for (const auto& t : layout) {
+      for (size_t i = 0; i < ps.size(); ++i) {
+        if (ps[i].is_same(t)) out += std::to_string(i) + " ";
+      }
+    }
+    return out;
+  };
+  const std::string before = position(opt.layout());
   for (int s = 0; s < steps; ++s) {
     const bool stepped = iteration(rank, world, s, run, local, opt, scaler.get());
+    if (s == 0 && scale_param) {
+      // The scale's gradient arrived first: it leads the layout after the first step.
+      const std::string after = position(opt.layout());
+      if (after == before || after.rfind("0 ", 0) != 0) {
+        std::cout << "the layout did not follow the gradients' arrival: " << before << "-> "
+                  << after << "\n";
+        ++bad;
+      }
+    }
     if (s != run.inf_step) ref.step(world, s, run);
     taken += stepped ? 1 : 0;
     if (stepped == (s == run.inf_step)) {
@@ -620,6 +653,13 @@ TEST(DistributedFusedAdam, NoSyncAccumulationOverThreeMicroBatches) {
   run("dfa_equivalence", 3, "micro=3,contiguous=1");
 }
 TEST(DistributedFusedAdam, OneBucket) { run("dfa_equivalence", 2, "bucket_mb=100"); }
+// The layout follows the first backward's gradient order (rank 0's) after the first step; the
+// state moves with it: still bit-identical to the replay.
+TEST(DistributedFusedAdam, LayoutFollowsTheFirstBackwardsGradientOrder) {
+  run("dfa_equivalence", 3, "scale=1");
+  run("dfa_equivalence", 2, "scale=1,dtype=bf16,micro=3");
+  run("dfa_equivalence", 2, "scale=1,opt=lamb");
+}
 TEST(DistributedFusedAdam, UnusedParameterTravelsAsZeros) {
   run("dfa_equivalence", 3, "unused=1");
   run("dfa_equivalence", 2, "unused=1,micro=3");

@@ -86,9 +86,10 @@ struct ShardedMemory {
 
 /// The machinery of the sharded optimizers (see DistributedFusedAdam for the picture).
 ///
-/// Parameters are laid out in reverse order of registration (the order backward produces their
-/// gradients in), flattened into buckets of bucket_cap_mb, and each bucket is split into W
-/// equal shards; a parameter may be cut into fragments across buckets and shards. Gradients
+/// Parameters are flattened into buckets of bucket_cap_mb, each bucket split into W equal shards;
+/// a parameter may be cut into fragments across buckets and shards. The order is the reverse of
+/// registration until the first step, then the order in which rank 0's first backward produced
+/// the gradients (the state moves with it, once), so that buckets fill one after the other. Gradients
 /// leave `p.grad` as soon as autograd accumulates them (a hook copies them into their bucket), so
 /// `p.grad` stays undefined: use grad_norm() and clip_grad_norm() here, not on the parameters.
 /// fp16/bf16 parameters get an fp32 master in the shard; fp32 parameters are updated in place.
@@ -140,6 +141,9 @@ class DistributedFusedOptimizer : public torch::optim::Optimizer, public optim::
   /// Steps taken by group `group` (skipped ones do not count).
   int64_t step_count(size_t group = 0) const;
   const ProcessGroup& process_group() const { return group_; }
+  /// The parameters in layout order (bucket 0 first): reverse registration order until the first
+  /// step, then the order rank 0's first backward produced their gradients in.
+  std::vector<at::Tensor> layout() const;
   ReduceScatter reduce_scatter_algorithm() const;
 
   /// Writes this rank's shard to `dir`/shard-<rank>-of-<world>.pt and, on rank 0,
