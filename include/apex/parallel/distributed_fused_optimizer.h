@@ -89,12 +89,12 @@ struct ShardedMemory {
 /// Parameters are flattened into buckets of bucket_cap_mb, each bucket split into W equal shards;
 /// a parameter may be cut into fragments across buckets and shards. The order is the reverse of
 /// registration until the first step, then the order in which rank 0's first backward produced
-/// the gradients (the state moves with it, once), so that buckets fill one after the other. Gradients
-/// leave `p.grad` as soon as autograd accumulates them (a hook copies them into their bucket), so
-/// `p.grad` stays undefined: use grad_norm() and clip_grad_norm() here, not on the parameters.
-/// fp16/bf16 parameters get an fp32 master in the shard; fp32 parameters are updated in place.
-/// Every rank must construct it with the same parameters (shapes and dtypes are compared), and
-/// the layout is fixed then (add_param_group afterwards is not supported).
+/// the gradients (the state moves with it, once), so that buckets fill one after the other.
+/// Gradients leave `p.grad` as soon as autograd accumulates them (a hook copies them into their
+/// bucket), so `p.grad` stays undefined: use grad_norm() and clip_grad_norm() here, not on the
+/// parameters. fp16/bf16 parameters get an fp32 master in the shard; fp32 parameters are updated in
+/// place. Every rank must construct it with the same parameters (shapes and dtypes are compared),
+/// and the layout is fixed then (add_param_group afterwards is not supported).
 class DistributedFusedOptimizer : public torch::optim::Optimizer, public optim::ScaledGradients {
  public:
   ~DistributedFusedOptimizer() override;
