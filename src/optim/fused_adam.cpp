@@ -124,14 +124,7 @@ void FusedAdam::fused_step(const GradScaling& scaling) {
 
     at::Tensor& step = step_tensor(gi, device);
     step.add_(1);
-    kernels::AdamArgs args;
-    args.lr = static_cast<float>(o.lr());
-    args.beta1 = static_cast<float>(std::get<0>(o.betas()));
-    args.beta2 = static_cast<float>(std::get<1>(o.betas()));
-    args.eps = static_cast<float>(o.eps());
-    args.weight_decay = static_cast<float>(o.weight_decay());
-    args.adam_w_mode = o.adam_w_mode();
-    args.bias_correction = o.bias_correction();
+    kernels::AdamArgs args = detail::adam_args(o);
     args.step_ptr = step.data_ptr<float>();
     if (o.capturable()) {
       if (lrs_.size() <= gi) lrs_.resize(gi + 1);

@@ -55,6 +55,21 @@ StateDict torch_adam_group(const Options& o) {
   return g;
 }
 
+/// Adam's kernel arguments from a group's options (FusedAdam and DistributedFusedAdam alike); the
+/// caller sets the step and the scaling pointers.
+template <class Options>
+kernels::AdamArgs adam_args(const Options& o) {
+  kernels::AdamArgs args;
+  args.lr = static_cast<float>(o.lr());
+  args.beta1 = static_cast<float>(std::get<0>(o.betas()));
+  args.beta2 = static_cast<float>(std::get<1>(o.betas()));
+  args.eps = static_cast<float>(o.eps());
+  args.weight_decay = static_cast<float>(o.weight_decay());
+  args.adam_w_mode = o.adam_w_mode();
+  args.bias_correction = o.bias_correction();
+  return args;
+}
+
 /// LAMB's kernel arguments for a group at `step` (FusedLAMB and DistributedFusedLAMB alike); the
 /// caller sets the norm and scaling pointers.
 template <class Options>

@@ -41,14 +41,7 @@ void DistributedFusedAdam::update(const at::Tensor& inv_scale) {
     ++m.steps[gi];
     auto rows = m.shard_rows(gi);
     if (rows.empty()) continue;
-    kernels::AdamArgs args;
-    args.lr = static_cast<float>(o.lr());
-    args.beta1 = static_cast<float>(std::get<0>(o.betas()));
-    args.beta2 = static_cast<float>(std::get<1>(o.betas()));
-    args.eps = static_cast<float>(o.eps());
-    args.weight_decay = static_cast<float>(o.weight_decay());
-    args.adam_w_mode = o.adam_w_mode();
-    args.bias_correction = o.bias_correction();
+    kernels::AdamArgs args = optim::detail::adam_args(o);
     args.step = m.steps[gi];
     const c10::Device device = m.grad_shard.device();
     args.amp.inv_scale = bridge::scalar_ptr(inv_scale, device, kWho, "inv_scale");
