@@ -221,7 +221,6 @@ void DistributedFusedOptimizer::zero_grad() {
   auto& m = *impl_;
   while (!m.in_flight.empty()) m.finish(m.in_flight.front());
   m.reset_grads();
-  if (m.settings.contiguous_grad_buffer) m.contiguous.zero_();
   for (auto& p : m.params) p.tensor.mutable_grad() = at::Tensor();
 }
 
