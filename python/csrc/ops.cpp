@@ -2,9 +2,8 @@
 // layer and tensor glue the C++ library uses (src/bridge, src/kernels, the norms' ops). The
 // Python side (python/apex) adds the fake implementations, autograd and apex's classes.
 //
-// Conventions of apex's amp_C that the multi-tensor ops keep: a one-element noop flag of any
-// integer or float dtype; scale, axpby and the norms set it to 1 on a non-finite value; sgd and the
-// capturable adam skip the step when it is set; plain adam, adagrad, lamb and novograd ignore it.
+// The multi-tensor ops' bodies are src/ops/multi_tensor_ops.h's, shared with the stable-ABI
+// library; AtenGlue below is what they need of at::Tensor.
 #include <ATen/TensorOperators.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -37,10 +36,11 @@
 #include <vector>
 
 #include "bridge/bridge.h"
+#include "bridge/refs.h"
 #include "common/environment.h"
-#include "kernel_args.h"
 #include "kernels/multi_tensor.h"
 #include "normalization/ops.h"
+#include "ops/multi_tensor_ops.h"
 #include "parallel/batch_norm_ops.h"
 #include "schemas.h"
 
@@ -50,261 +50,45 @@ namespace {
 using at::Tensor;
 using TensorList = std::vector<Tensor>;
 
-void check_flag(const Tensor& flag, const char* who) {
-  TORCH_CHECK(flag.defined() && flag.numel() == 1, who,
-              ": noop_flag must be a one-element tensor, got ", flag.sizes());
-}
+// The op bodies' view of at::Tensor (ops/multi_tensor_ops.h): CPU or CUDA tensors, scalars and
+// flags on the tensors' device (no host sync).
+struct AtenGlue {
+  using Tensor = at::Tensor;
+  using In = const Tensor&;
+  using ListIn = const TensorList&;
+  using OptIn = const std::optional<Tensor>&;
 
-// The noop flag as the kernels' fp32 flag (a copy on the flag's device).
-Tensor flag_as_float(const Tensor& noop) {
-  return noop.to(noop.options().dtype(at::kFloat)).reshape({1}).contiguous();
-}
-
-// Sets the noop flag where `fp32_flag` (or a non-finite `value`) says so, without a host sync.
-void raise_flag(const Tensor& noop, const Tensor& fp32_flag) {
-  const Tensor merged = at::maximum(noop.reshape({1}).to(at::kFloat), fp32_flag);
-  noop.copy_(merged.reshape(noop.sizes()).to(noop.scalar_type()));
-}
-
-// Every list non-empty and element-wise matching the first; absent lists may be empty.
-void check_lists(const char* who, const std::vector<std::pair<const TensorList*, const char*>>& ls,
-                 size_t required) {
-  const TensorList& ref = *ls.front().first;
-  for (size_t i = 0; i < ls.size(); ++i) {
-    const TensorList& l = *ls[i].first;
-    if (i >= required && l.empty()) continue;
-    bridge::check_list(l, who, ls[i].second);
-    if (i > 0) bridge::check_matching(ref, l, who, ls.front().second, ls[i].second);
+  static ops::TensorRef ref(const Tensor& t) { return bridge::ref(t); }
+  static ops::TensorRefs refs(const TensorList& l) { return bridge::refs(l); }
+  static Tensor float_zeros(const Tensor& like, int64_t n) {
+    return at::zeros({n}, like.options().dtype(at::kFloat));
   }
-}
-
-// The kernel's rows from the lists, after check_lists: list i of row r is lists[i][r], or absent
-// (undefined) where an optional list is empty.
-bridge::ListBuilder build_lists(const char* who,
-                                const std::vector<std::pair<const TensorList*, const char*>>& ls,
-                                size_t required) {
-  check_lists(who, ls, required);
-  // Lists 0 and 1 are the parameters and gradients; the rest is optimizer state and fp32 masters,
-  // which the kernels read and write as fp32.
-  for (size_t i = 2; i < ls.size(); ++i) {
-    const TensorList& l = *ls[i].first;
-    TORCH_CHECK(l.empty() || l.front().scalar_type() == at::kFloat, who, ": ", ls[i].second,
-                " must be float32 (optimizer state and masters are fp32), got ",
-                l.front().scalar_type());
+  static Tensor float_empty(const Tensor& like, int64_t n) {
+    return at::empty({n}, like.options().dtype(at::kFloat));
   }
-  bridge::ListBuilder b(static_cast<int>(ls.size()));
-  std::vector<Tensor> row(ls.size());
-  for (size_t r = 0; r < ls.front().first->size(); ++r) {
-    for (size_t i = 0; i < ls.size(); ++i) {
-      row[i] = ls[i].first->empty() ? Tensor() : (*ls[i].first)[r];
-    }
-    b.add(row);
+  static Tensor float_full(const Tensor& like, double v) {
+    return at::full({1}, v, like.options().dtype(at::kFloat));
   }
-  return b;
-}
-
-// Adam-style lists: params, grads, both moments, optional fp32 masters.
-bridge::ListBuilder moment_lists(const char* who, const TensorList& p, const TensorList& g,
-                                 const TensorList& m, const TensorList& v,
-                                 const TensorList& master) {
-  return build_lists(who,
-                     {{&p, "params"},
-                      {&g, "grads"},
-                      {&m, "exp_avgs"},
-                      {&v, "exp_avg_sqs"},
-                      {&master, "master_params"}},
-                     4);
-}
-
-const float* optional_scalar(const std::optional<Tensor>& t, c10::Device device, const char* who,
-                             const char* name) {
-  return t.has_value() ? bridge::scalar_ptr(*t, device, who, name) : nullptr;
-}
-
-// ---- primitives ------------------------------------------------------------------------------
-
-void multi_tensor_scale(const Tensor& noop, const TensorList& src, const TensorList& dst,
-                        double scale) {
-  constexpr const char* who = "multi_tensor_scale";
-  check_flag(noop, who);
-  if (src.empty() && dst.empty()) return;
-  check_lists(who, {{&src, "src"}, {&dst, "dst"}}, 2);
-  const Tensor flag = at::zeros({1}, src.front().options().dtype(at::kFloat));
-  apex::optim::multi_tensor_scale(src, dst, scale, flag);
-  raise_flag(noop, flag.to(noop.device()));
-}
-
-void multi_tensor_axpby(const Tensor& noop, const TensorList& x, const TensorList& y,
-                        const TensorList& out, double a, double b, int64_t arg_to_check) {
-  constexpr const char* who = "multi_tensor_axpby";
-  check_flag(noop, who);
-  TORCH_CHECK(arg_to_check >= -1 && arg_to_check <= 1, who,
-              ": arg_to_check must be -1 (both), 0 (x) or 1 (y), got ", arg_to_check);
-  if (x.empty() && y.empty() && out.empty()) return;
-  check_lists(who, {{&x, "x"}, {&y, "y"}, {&out, "out"}}, 3);
-  const Tensor flag = at::zeros({1}, x.front().options().dtype(at::kFloat));
-  apex::optim::multi_tensor_axpby(x, y, out, a, b, flag, static_cast<int>(arg_to_check));
-  raise_flag(noop, flag.to(noop.device()));
-}
-
-std::tuple<Tensor, Tensor> norms(const char* who, const Tensor& noop, const TensorList& x,
-                                 const std::optional<Tensor>& inv_scale, bool per_tensor) {
-  check_flag(noop, who);
-  if (x.empty()) {
-    const auto opts = noop.options().dtype(at::kFloat);
-    return {at::zeros({1}, opts), at::zeros({0}, opts)};
+  static Tensor as_float(const Tensor& t, const Tensor& like) {
+    return t.to(like.options().dtype(at::kFloat)).reshape({-1}).contiguous();
   }
-  auto [total, per] = inv_scale.has_value()
-                          ? apex::optim::multi_tensor_unscale_l2norm(x, *inv_scale, per_tensor)
-                          : apex::optim::multi_tensor_l2norm(x, per_tensor);
-  // apex's l2norm sets the flag on a non-finite value, which shows in the total.
-  raise_flag(noop,
-             at::logical_not(at::isfinite(total.reshape({1}))).to(at::kFloat).to(noop.device()));
-  return {total.reshape({1}), per_tensor ? per : at::zeros({0}, total.options())};
-}
-
-std::tuple<Tensor, Tensor> multi_tensor_l2norm(const Tensor& noop, const TensorList& x,
-                                               bool per_tensor) {
-  return norms("multi_tensor_l2norm", noop, x, std::nullopt, per_tensor);
-}
-
-std::tuple<Tensor, Tensor> multi_tensor_unscale_l2norm(const Tensor& noop, const TensorList& x,
-                                                       const Tensor& inv_scale, bool per_tensor) {
-  return norms("multi_tensor_unscale_l2norm", noop, x, inv_scale, per_tensor);
-}
-
-// ---- optimizers ------------------------------------------------------------------------------
-
-void multi_tensor_adam(const Tensor& noop, const TensorList& g, const TensorList& p,
-                       const TensorList& m, const TensorList& v, const TensorList& master,
-                       double lr, double beta1, double beta2, double eps, int64_t step,
-                       bool adam_w_mode, bool bias_correction, double weight_decay,
-                       const std::optional<Tensor>& inv_scale,
-                       const std::optional<Tensor>& found_inf,
-                       const std::optional<Tensor>& lr_tensor,
-                       const std::optional<Tensor>& step_tensor, bool unscale_grads) {
-  constexpr const char* who = "multi_tensor_adam";
-  check_flag(noop, who);
-  if (p.empty()) return;
-  const bridge::ListBuilder lists = moment_lists(who, p, g, m, v, master);
-  TORCH_CHECK(step >= 1 || step_tensor.has_value(), who, ": step must be >= 1, got ", step);
-  const c10::Device device = p.front().device();
-  kernels::AdamArgs args =
-      adam_args(lr, beta1, beta2, eps, step, adam_w_mode, bias_correction, weight_decay);
-  args.lr_ptr = optional_scalar(lr_tensor, device, who, "lr");
-  args.step_ptr = optional_scalar(step_tensor, device, who, "step");
-  args.amp.inv_scale = optional_scalar(inv_scale, device, who, "inv_scale");
-  args.amp.found_inf = optional_scalar(found_inf, device, who, "found_inf");
-  args.amp.unscale_grads = unscale_grads;
-  const auto view = lists.view();
-  bridge::launch(device, kernels::cpu::adam, kernels::cuda::adam, view, args);
-}
-
-void multi_tensor_sgd(const Tensor& noop, const TensorList& g, const TensorList& p,
-                      const TensorList& momentum_buf, const TensorList& master, double lr,
-                      double momentum, double dampening, double weight_decay, bool nesterov,
-                      bool first_run, bool wd_after_momentum, double scale, bool unscale_grads) {
-  constexpr const char* who = "multi_tensor_sgd";
-  check_flag(noop, who);
-  if (p.empty()) return;
-  const bridge::ListBuilder lists = build_lists(who,
-                                                {{&p, "params"},
-                                                 {&g, "grads"},
-                                                 {&momentum_buf, "momentum_buffers"},
-                                                 {&master, "master_params"}},
-                                                2);
-  TORCH_CHECK(momentum == 0 || !momentum_buf.empty(), who, ": momentum ", momentum,
-              " needs the momentum buffers");
-  const c10::Device device = p.front().device();
-  // The step is skipped when the noop flag is already set (apex's early exit).
-  const Tensor flag = flag_as_float(noop).to(device);
-  const Tensor inv = at::full({1}, scale, p.front().options().dtype(at::kFloat));
-  kernels::SgdArgs args =
-      sgd_args(lr, momentum, dampening, weight_decay, nesterov, first_run, wd_after_momentum);
-  args.amp.inv_scale = inv.data_ptr<float>();
-  args.amp.found_inf = flag.data_ptr<float>();
-  args.amp.unscale_grads = unscale_grads;
-  const auto view = lists.view();
-  bridge::launch(device, kernels::cpu::sgd, kernels::cuda::sgd, view, args);
-}
-
-void multi_tensor_adagrad(const Tensor& noop, const TensorList& g, const TensorList& p,
-                          const TensorList& h, const TensorList& master, double lr, double eps,
-                          bool adagrad_w_mode, double weight_decay,
-                          const std::optional<Tensor>& inv_scale,
-                          const std::optional<Tensor>& found_inf, bool unscale_grads) {
-  constexpr const char* who = "multi_tensor_adagrad";
-  check_flag(noop, who);
-  if (p.empty()) return;
-  const bridge::ListBuilder lists = build_lists(
-      who, {{&p, "params"}, {&g, "grads"}, {&h, "state_sums"}, {&master, "master_params"}}, 3);
-  const c10::Device device = p.front().device();
-  kernels::AdagradArgs args = adagrad_args(lr, eps, adagrad_w_mode, weight_decay);
-  args.amp.inv_scale = optional_scalar(inv_scale, device, who, "inv_scale");
-  args.amp.found_inf = optional_scalar(found_inf, device, who, "found_inf");
-  args.amp.unscale_grads = unscale_grads;
-  const auto view = lists.view();
-  bridge::launch(device, kernels::cpu::adagrad, kernels::cuda::adagrad, view, args);
-}
-
-void multi_tensor_lamb(const Tensor& noop, const TensorList& g, const TensorList& p,
-                       const TensorList& m, const TensorList& v, const TensorList& master,
-                       double lr, double beta1, double beta2, double eps, int64_t step,
-                       bool bias_correction, double weight_decay, bool grad_averaging,
-                       bool adam_w_mode, const Tensor& global_grad_norm, double max_grad_norm,
-                       bool use_nvlamb, const std::optional<Tensor>& inv_scale,
-                       const std::optional<Tensor>& found_inf, bool unscale_grads) {
-  constexpr const char* who = "multi_tensor_lamb";
-  check_flag(noop, who);
-  if (p.empty()) return;
-  const bridge::ListBuilder lists = moment_lists(who, p, g, m, v, master);
-  TORCH_CHECK(step >= 1, who, ": step must be >= 1, got ", step);
-  TORCH_CHECK(global_grad_norm.numel() == 1, who,
-              ": global_grad_norm must be a one-element tensor, got ", global_grad_norm.numel(),
-              " elements");
-  const c10::Device device = p.front().device();
-  const auto opts = p.front().options().dtype(at::kFloat);
-  const Tensor u_sumsq = at::zeros({lists.size()}, opts);
-  const Tensor p_sumsq = at::zeros({lists.size()}, opts);
-  const Tensor gnorm = global_grad_norm.to(opts).reshape({1}).contiguous();
-  kernels::LambArgs args = lamb_args(lr, beta1, beta2, eps, step, bias_correction, weight_decay,
-                                     grad_averaging, adam_w_mode, max_grad_norm, use_nvlamb);
-  args.global_grad_norm = gnorm.data_ptr<float>();
-  args.u_sumsq = u_sumsq.data_ptr<float>();
-  args.p_sumsq = p_sumsq.data_ptr<float>();
-  args.amp.inv_scale = optional_scalar(inv_scale, device, who, "inv_scale");
-  args.amp.found_inf = optional_scalar(found_inf, device, who, "found_inf");
-  args.amp.unscale_grads = unscale_grads;
-  const auto view = lists.view();
-  bridge::launch(device, kernels::cpu::lamb_stage1, kernels::cuda::lamb_stage1, view, args);
-  bridge::launch(device, kernels::cpu::lamb_stage2, kernels::cuda::lamb_stage2, view, args);
-}
-
-void multi_tensor_novograd(const Tensor& noop, const TensorList& g, const TensorList& p,
-                           const TensorList& m, const TensorList& master, const Tensor& v,
-                           double lr, double beta1, double beta2, double eps, int64_t step,
-                           bool bias_correction, double weight_decay, bool grad_averaging,
-                           bool reg_inside_moment, const std::optional<Tensor>& inv_scale,
-                           const std::optional<Tensor>& found_inf, bool unscale_grads) {
-  constexpr const char* who = "multi_tensor_novograd";
-  check_flag(noop, who);
-  if (p.empty()) return;
-  const bridge::ListBuilder lists = build_lists(
-      who, {{&p, "params"}, {&g, "grads"}, {&m, "exp_avgs"}, {&master, "master_params"}}, 3);
-  TORCH_CHECK(step >= 1, who, ": step must be >= 1, got ", step);
-  TORCH_CHECK(v.numel() == static_cast<int64_t>(p.size()), who, ": grad_norms has ", v.numel(),
-              " elements, expected one per tensor (", p.size(), ")");
-  const c10::Device device = p.front().device();
-  const Tensor vf = v.to(p.front().options().dtype(at::kFloat)).contiguous();
-  kernels::NovoGradArgs args = novograd_args(lr, beta1, beta2, eps, step, bias_correction,
-                                             weight_decay, grad_averaging, reg_inside_moment);
-  args.v = vf.data_ptr<float>();
-  args.amp.inv_scale = optional_scalar(inv_scale, device, who, "inv_scale");
-  args.amp.found_inf = optional_scalar(found_inf, device, who, "found_inf");
-  args.amp.unscale_grads = unscale_grads;
-  const auto view = lists.view();
-  bridge::launch(device, kernels::cpu::novograd, kernels::cuda::novograd, view, args);
-}
+  static float* floats(const Tensor& t) { return t.data_ptr<float>(); }
+  static void raise_flag(const Tensor& noop, const Tensor& flag) {
+    const Tensor merged = at::maximum(noop.reshape({1}).to(at::kFloat), flag.to(noop.device()));
+    noop.copy_(merged.reshape(noop.sizes()).to(noop.scalar_type()));
+  }
+  static void raise_flag_if_nonfinite(const Tensor& noop, const Tensor& x) {
+    raise_flag(noop, at::logical_not(at::isfinite(x.reshape({1}))).to(at::kFloat));
+  }
+  template <class Kernel, class Args>
+  static void launch(const ops::TensorRef& on, const kernels::TensorLists& lists,
+                     const Args& args) {
+    const c10::Device device(on.device_type, static_cast<c10::DeviceIndex>(on.device_index));
+    bridge::on_backend(
+        device, [&] { Kernel::cpu(lists, args); },
+        [&](void* stream) { Kernel::cuda(lists, args, stream); });
+  }
+};
 
 // apex's update_scale_hysteresis: torch's _amp_update_scale_ that backs off only after
 // `hysteresis` consecutive overflows. Tensor ops, so it runs where the tensors are, unsynced.
@@ -631,7 +415,7 @@ int64_t cpu_half_route_calls() {
 double bench_scale_calls(const Tensor& noop, const TensorList& x, const TensorList& y, int64_t n) {
   TORCH_CHECK(n >= 1 && n <= (int64_t{1} << 30), "bench_scale_calls: n must be in [1, 2^30]");
   const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < n; ++i) multi_tensor_scale(noop, x, y, 1.0);
+  for (int64_t i = 0; i < n; ++i) ops::multi_tensor_scale<AtenGlue>(noop, x, y, 1.0);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
          static_cast<double>(n);
 }
@@ -670,19 +454,12 @@ TORCH_LIBRARY(apex_cpp, m) {
 }
 
 // The kernels take CPU and CUDA tensors alike (the bridge picks the backend).
-#define APEX_PYTHON_IMPLS(m)                                           \
-  m.impl("multi_tensor_scale", &multi_tensor_scale);                   \
-  m.impl("multi_tensor_axpby", &multi_tensor_axpby);                   \
-  m.impl("multi_tensor_l2norm", &multi_tensor_l2norm);                 \
-  m.impl("multi_tensor_unscale_l2norm", &multi_tensor_unscale_l2norm); \
-  m.impl("multi_tensor_adam", &multi_tensor_adam);                     \
-  m.impl("multi_tensor_sgd", &multi_tensor_sgd);                       \
-  m.impl("multi_tensor_adagrad", &multi_tensor_adagrad);               \
-  m.impl("multi_tensor_lamb", &multi_tensor_lamb);                     \
-  m.impl("multi_tensor_novograd", &multi_tensor_novograd);             \
-  m.impl("update_scale_hysteresis", &update_scale_hysteresis);         \
-  m.impl("fused_norm", &fused_norm);                                   \
-  m.impl("fused_norm_fwd", &fused_norm_fwd);                           \
+#define APEX_PY_IMPL(name, schema) m.impl(#name, &apex::ops::name<AtenGlue>);
+#define APEX_PYTHON_IMPLS(m)                                   \
+  APEX_PY_MULTI_TENSOR_OPS(APEX_PY_IMPL)                       \
+  m.impl("update_scale_hysteresis", &update_scale_hysteresis); \
+  m.impl("fused_norm", &fused_norm);                           \
+  m.impl("fused_norm_fwd", &fused_norm_fwd);                   \
   m.impl("fused_norm_bwd", &fused_norm_bwd);
 
 TORCH_LIBRARY_IMPL(apex_cpp, CPU, m) {

@@ -7,7 +7,8 @@
 // the host (CPU tensors only), the kernels' thread pool is torch::stable::parallel_for
 // (kernels/cpu/parallel.h).
 //
-// The messages are the regular op library's (src/bridge), so a test can compare both.
+// The multi-tensor ops' bodies, checks and messages are src/ops', shared with the regular library;
+// StableGlue below is what they need of torch::stable::Tensor.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -27,10 +28,10 @@
 #include <utility>
 #include <vector>
 
-#include "kernel_args.h"
 #include "kernels/batch_norm.h"
 #include "kernels/multi_tensor.h"
 #include "kernels/norm.h"
+#include "ops/multi_tensor_ops.h"
 #include "schemas.h"
 
 namespace apex::python::stable {
@@ -39,179 +40,41 @@ namespace {
 using torch::headeronly::MemoryFormat;
 using torch::headeronly::ScalarType;
 
-// Throws std::runtime_error (a RuntimeError in Python) with the message alone, as TORCH_CHECK's
-// reach Python; STD_TORCH_CHECK would put the C++ function, file and line in front of it.
-template <class... Args>
-[[noreturn]] void fail(const Args&... args) {
-  std::ostringstream s;
-  (s << ... << args);
-  throw std::runtime_error(s.str());
-}
-#define APEX_CHECK(cond, ...)       \
-  do {                              \
-    if (!(cond)) fail(__VA_ARGS__); \
-  } while (false)
+#define APEX_CHECK APEX_OPS_CHECK
+using ops::fail_with;
 using torch::stable::Tensor;
 using TensorList = std::vector<Tensor>;
 
-std::string dims(torch::headeronly::IntHeaderOnlyArrayRef d) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < d.size(); ++i) s << (i ? ", " : "") << d[i];
-  s << "]";
-  return s.str();
+ops::TensorRef ref(const Tensor& t) {
+  ops::TensorRef r;
+  if (!t.defined()) return r;
+  r.defined = true;
+  r.dtype = t.scalar_type();
+  r.device_type = t.is_cpu()    ? ops::DeviceType::CPU
+                  : t.is_cuda() ? ops::DeviceType::CUDA
+                                : ops::DeviceType::PrivateUse1;
+  r.device_index = t.is_cpu() ? -1 : t.get_device_index();
+  r.sizes = t.sizes();
+  r.strides = t.strides();
+  r.numel = t.numel();
+  r.dense = ops::strides_dense(r.sizes, r.strides);
+  r.data = t.mutable_data_ptr();
+  return r;
 }
 
-std::string device_name(const Tensor& t) {
-  if (t.is_cpu()) return "cpu";
-  std::ostringstream s;
-  s << (t.is_cuda() ? "cuda" : "device type ") << ":" << static_cast<int>(t.get_device_index());
-  return s.str();
+ops::TensorRefs refs(const TensorList& l) {
+  ops::TensorRefs r;
+  r.reserve(l.size());
+  for (const Tensor& t : l) r.push_back(ref(t));
+  return r;
 }
 
-const char* dtype_name(ScalarType t) {
-  switch (t) {
-    case ScalarType::Float:
-      return "Float";
-    case ScalarType::Half:
-      return "Half";
-    case ScalarType::BFloat16:
-      return "BFloat16";
-    case ScalarType::Double:
-      return "Double";
-    case ScalarType::Long:
-      return "Long";
-    case ScalarType::Int:
-      return "Int";
-    case ScalarType::Bool:
-      return "Bool";
-    case ScalarType::Short:
-      return "Short";
-    case ScalarType::Char:
-      return "Char";
-    case ScalarType::Byte:
-      return "Byte";
-    case ScalarType::ComplexFloat:
-      return "ComplexFloat";
-    case ScalarType::ComplexDouble:
-      return "ComplexDouble";
-    default:
-      return "a dtype other than float32, float16 or bfloat16";
-  }
-}
+void check_cpu(const Tensor& t, const char* who) { ops::require_backend(ref(t), who); }
 
-void check_cpu(const Tensor& t, const char* who) {
-  APEX_CHECK(
-      t.is_cpu(), who, ": apex-cpp's stable-ABI op library runs on CPU tensors, got a tensor on ",
-      device_name(t), " (the regular op library, built for this torch, has the CUDA kernels)");
-}
+kernels::DType kernel_dtype(ScalarType t, const char* who) { return ops::kernel_dtype(t, who); }
 
-kernels::DType kernel_dtype(ScalarType t, const char* who) {
-  switch (t) {
-    case ScalarType::Float:
-      return kernels::DType::kFloat32;
-    case ScalarType::Half:
-      return kernels::DType::kFloat16;
-    case ScalarType::BFloat16:
-      return kernels::DType::kBFloat16;
-    default:
-      fail(who, ": expected float32, float16 or bfloat16 tensors, got ", dtype_name(t));
-  }
-}
-
-// Non-overlapping and dense: some order of the dimensions makes the strides those of a
-// contiguous tensor (the kernels read numel elements from data_ptr).
-bool dense(const Tensor& t) {
-  if (t.numel() == 0) return true;
-  const auto sizes = t.sizes();
-  const auto strides = t.strides();
-  std::vector<size_t> order;
-  for (size_t d = 0; d < sizes.size(); ++d) {
-    if (sizes[d] != 1) order.push_back(d);
-  }
-  std::sort(order.begin(), order.end(),
-            [&](size_t a, size_t b) { return strides[a] < strides[b]; });
-  int64_t expected = 1;
-  for (size_t d : order) {
-    if (strides[d] != expected) return false;
-    expected *= sizes[d];
-  }
-  return true;
-}
-
-void check_list(const TensorList& list, const char* who, const char* arg) {
-  APEX_CHECK(!list.empty(), who, ": ", arg, " must not be empty");
-  const Tensor& first = list.front();
-  for (size_t i = 0; i < list.size(); ++i) {
-    const Tensor& t = list[i];
-    APEX_CHECK(t.defined(), who, ": ", arg, "[", i, "] is undefined");
-    check_cpu(t, who);
-    APEX_CHECK(t.scalar_type() == first.scalar_type(), who, ": all tensors of ", arg,
-               " must have one dtype, got ", dtype_name(first.scalar_type()), " at index 0 and ",
-               dtype_name(t.scalar_type()), " at index ", i);
-    APEX_CHECK(dense(t), who, ": ", arg, "[", i,
-               "] must be contiguous (non-overlapping and dense)");
-    kernel_dtype(t.scalar_type(), who);
-  }
-}
-
-void check_matching(const TensorList& ref, const TensorList& other, const char* who,
-                    const char* ref_name, const char* other_name) {
-  APEX_CHECK(ref.size() == other.size(), who, ": ", ref_name, " and ", other_name,
-             " must have the same length, got ", ref.size(), " and ", other.size());
-  for (size_t i = 0; i < ref.size(); ++i) {
-    APEX_CHECK(ref[i].sizes().vec() == other[i].sizes().vec(), who, ": ", other_name, "[", i,
-               "] has shape ", dims(other[i].sizes()), " but ", ref_name, "[", i, "] has shape ",
-               dims(ref[i].sizes()));
-    // Strides of size-1 dimensions are never used (bridge::same_memory_order).
-    const auto sizes = ref[i].sizes().vec();
-    const auto a = ref[i].strides().vec();
-    const auto b = other[i].strides().vec();
-    bool same = a.size() == b.size();
-    for (size_t d = 0; same && d < a.size(); ++d) same = sizes[d] <= 1 || a[d] == b[d];
-    APEX_CHECK(same, who, ": ", other_name, "[", i, "] has strides ", dims(other[i].strides()),
-               " but ", ref_name, "[", i, "] has strides ", dims(ref[i].strides()));
-  }
-}
-
-using Named = std::pair<const TensorList*, const char*>;
-
-// The kernel's view of parallel lists: every required list checked and matching the first;
-// optional lists (index >= required) may be empty, and are then absent.
-class Lists {
- public:
-  // state_from: the first list holding optimizer state or masters (fp32 only); none by default.
-  Lists(const char* who, const std::vector<Named>& ls, size_t required,
-        size_t state_from = kernels::kMaxLists) {
-    const TensorList& ref = *ls.front().first;
-    for (size_t i = 0; i < ls.size(); ++i) {
-      const TensorList& l = *ls[i].first;
-      if (i >= required && l.empty()) continue;
-      check_list(l, who, ls[i].second);
-      if (i > 0) check_matching(ref, l, who, ls.front().second, ls[i].second);
-      APEX_CHECK(i < state_from || l.front().scalar_type() == ScalarType::Float, who, ": ",
-                 ls[i].second, " must be float32 (optimizer state and masters are fp32), got ",
-                 dtype_name(l.front().scalar_type()));
-      view_.dtype[i] = kernel_dtype(l.front().scalar_type(), who);
-      ptrs_[i].reserve(l.size());
-      for (const Tensor& t : l) ptrs_[i].push_back(t.mutable_data_ptr());
-      view_.ptrs[i] = ptrs_[i].data();
-    }
-    for (const Tensor& t : ref) numel_.push_back(t.numel());
-    view_.num_tensors = static_cast<int64_t>(numel_.size());
-    view_.numel = numel_.data();
-  }
-  Lists(const Lists&) = delete;
-  Lists& operator=(const Lists&) = delete;
-
-  const kernels::TensorLists& view() const { return view_; }
-  int64_t size() const { return view_.num_tensors; }
-
- private:
-  std::vector<int64_t> numel_;
-  std::vector<void*> ptrs_[kernels::kMaxLists];
-  kernels::TensorLists view_;
-};
+ops::Shape dims(torch::headeronly::IntHeaderOnlyArrayRef d) { return {d}; }
+ops::DtypeName dtype_name(ScalarType t) { return {t}; }
 
 // f(T*) with T the C++ type of a CPU tensor's dtype (the real ones and bool).
 template <class F>
@@ -238,21 +101,8 @@ decltype(auto) with_element_type(const Tensor& t, void* p, F&& f) {
     case ScalarType::Bool:
       return f(static_cast<bool*>(p));
     default:
-      fail("apex-cpp: unsupported dtype for a scalar tensor: ", dtype_name(t.scalar_type()));
+      fail_with("apex-cpp: unsupported dtype for a scalar tensor: ", dtype_name(t.scalar_type()));
   }
-}
-
-// Adam-style lists: params, grads, both moments, optional fp32 masters (returned in place: Lists
-// is neither copied nor moved).
-Lists moment_lists(const char* who, const TensorList& p, const TensorList& g, const TensorList& m,
-                   const TensorList& v, const TensorList& master) {
-  return Lists(who,
-               {{&p, "params"},
-                {&g, "grads"},
-                {&m, "exp_avgs"},
-                {&v, "exp_avg_sqs"},
-                {&master, "master_params"}},
-               4, 2);
 }
 
 // The one element of a CPU tensor of any real dtype, as a double.
@@ -283,217 +133,48 @@ void write_scalar(const Tensor& t, double v) {
   });
 }
 
-void check_flag(const Tensor& flag, const char* who) {
-  APEX_CHECK(flag.defined() && flag.numel() == 1, who,
-             ": noop_flag must be a one-element tensor, got ", dims(flag.sizes()));
-  check_cpu(flag, who);
-}
+// The op bodies' view of torch::stable::Tensor (ops/multi_tensor_ops.h): CPU tensors, scalars
+// and flags read and written on the host.
+struct StableGlue {
+  using Tensor = torch::stable::Tensor;
+  using In = Tensor;  // the stable ABI boxes arguments by value
+  using ListIn = TensorList;
+  using OptIn = std::optional<Tensor>;
 
-// apex's flag convention: the flag becomes max(flag, value).
-void raise_flag(const Tensor& noop, float value) {
-  if (value > read_scalar(noop)) write_scalar(noop, value);
-}
-
-// A one-element float32 CPU tensor's element, for the kernels' kernel-memory scalars.
-const float* scalar_ptr(const std::optional<Tensor>& t, const char* who, const char* name) {
-  if (!t.has_value() || !t->defined()) return nullptr;
-  APEX_CHECK(t->numel() == 1 && t->scalar_type() == ScalarType::Float, who, ": ", name,
-             " must be a one-element float32 tensor, got ", dtype_name(t->scalar_type()), " with ",
-             t->numel(), " elements");
-  check_cpu(*t, who);
-  return t->const_data_ptr<float>();
-}
-
-// ---- primitives ------------------------------------------------------------------------------
-
-void multi_tensor_scale(Tensor noop, TensorList src, TensorList dst, double scale) {
-  constexpr const char* who = "multi_tensor_scale";
-  check_flag(noop, who);
-  if (src.empty() && dst.empty()) return;
-  const Lists lists(who, {{&src, "src"}, {&dst, "dst"}}, 2);
-  float flag = 0.0f;
-  kernels::ScaleArgs args;
-  args.scale = static_cast<float>(scale);
-  args.found_inf = &flag;
-  kernels::cpu::scale(lists.view(), args);
-  raise_flag(noop, flag);
-}
-
-void multi_tensor_axpby(Tensor noop, TensorList x, TensorList y, TensorList out, double a, double b,
-                        int64_t arg_to_check) {
-  constexpr const char* who = "multi_tensor_axpby";
-  check_flag(noop, who);
-  APEX_CHECK(arg_to_check >= -1 && arg_to_check <= 1, who,
-             ": arg_to_check must be -1 (both), 0 (x) or 1 (y), got ", arg_to_check);
-  if (x.empty() && y.empty() && out.empty()) return;
-  const Lists lists(who, {{&x, "x"}, {&y, "y"}, {&out, "out"}}, 3);
-  float flag = 0.0f;
-  kernels::AxpbyArgs args;
-  args.a = static_cast<float>(a);
-  args.b = static_cast<float>(b);
-  args.arg_to_check = static_cast<int>(arg_to_check);
-  args.found_inf = &flag;
-  kernels::cpu::axpby(lists.view(), args);
-  raise_flag(noop, flag);
-}
-
-std::tuple<Tensor, Tensor> norms(const char* who, const Tensor& noop, const TensorList& x,
-                                 const std::optional<Tensor>& inv_scale, bool per_tensor) {
-  check_flag(noop, who);
-  if (x.empty()) {
-    return {torch::stable::new_zeros(noop, {1}, ScalarType::Float),
-            torch::stable::new_zeros(noop, {0}, ScalarType::Float)};
+  static ops::TensorRef ref(const Tensor& t) { return stable::ref(t); }
+  static ops::TensorRefs refs(const TensorList& l) { return stable::refs(l); }
+  static Tensor float_zeros(const Tensor& like, int64_t n) {
+    return torch::stable::new_zeros(like, {n}, ScalarType::Float);
   }
-  const Lists lists(who, {{&x, "x"}}, 1);
-  Tensor total = torch::stable::new_empty(x.front(), {1}, ScalarType::Float);
-  Tensor per = torch::stable::new_empty(
-      x.front(), {per_tensor ? static_cast<int64_t>(x.size()) : 0}, ScalarType::Float);
-  kernels::NormArgs args;
-  args.type = kernels::NormType::kL2;
-  args.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
-  args.total = total.mutable_data_ptr<float>();
-  args.per_tensor = per_tensor ? per.mutable_data_ptr<float>() : nullptr;
-  kernels::cpu::norm(lists.view(), args);
-  // apex's l2norm sets the flag on a non-finite value, which shows in the total.
-  if (!std::isfinite(*total.const_data_ptr<float>())) raise_flag(noop, 1.0f);
-  return {total, per};
-}
-
-std::tuple<Tensor, Tensor> multi_tensor_l2norm(Tensor noop, TensorList x, bool per_tensor) {
-  return norms("multi_tensor_l2norm", noop, x, std::nullopt, per_tensor);
-}
-
-std::tuple<Tensor, Tensor> multi_tensor_unscale_l2norm(Tensor noop, TensorList x, Tensor inv_scale,
-                                                       bool per_tensor) {
-  APEX_CHECK(inv_scale.defined(), "multi_tensor_unscale_l2norm: inv_scale must be defined");
-  return norms("multi_tensor_unscale_l2norm", noop, x, inv_scale, per_tensor);
-}
-
-// ---- optimizers ------------------------------------------------------------------------------
-
-void multi_tensor_adam(Tensor noop, TensorList g, TensorList p, TensorList m, TensorList v,
-                       TensorList master, double lr, double beta1, double beta2, double eps,
-                       int64_t step, bool adam_w_mode, bool bias_correction, double weight_decay,
-                       std::optional<Tensor> inv_scale, std::optional<Tensor> found_inf,
-                       std::optional<Tensor> lr_tensor, std::optional<Tensor> step_tensor,
-                       bool unscale_grads) {
-  constexpr const char* who = "multi_tensor_adam";
-  check_flag(noop, who);
-  if (p.empty()) return;
-  const Lists lists = moment_lists(who, p, g, m, v, master);
-  APEX_CHECK(step >= 1 || step_tensor.has_value(), who, ": step must be >= 1, got ", step);
-  kernels::AdamArgs args =
-      adam_args(lr, beta1, beta2, eps, step, adam_w_mode, bias_correction, weight_decay);
-  args.lr_ptr = scalar_ptr(lr_tensor, who, "lr");
-  args.step_ptr = scalar_ptr(step_tensor, who, "step");
-  args.amp.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
-  args.amp.found_inf = scalar_ptr(found_inf, who, "found_inf");
-  args.amp.unscale_grads = unscale_grads;
-  kernels::cpu::adam(lists.view(), args);
-}
-
-void multi_tensor_sgd(Tensor noop, TensorList g, TensorList p, TensorList momentum_buf,
-                      TensorList master, double lr, double momentum, double dampening,
-                      double weight_decay, bool nesterov, bool first_run, bool wd_after_momentum,
-                      double scale, bool unscale_grads) {
-  constexpr const char* who = "multi_tensor_sgd";
-  check_flag(noop, who);
-  if (p.empty()) return;
-  const Lists lists(who,
-                    {{&p, "params"},
-                     {&g, "grads"},
-                     {&momentum_buf, "momentum_buffers"},
-                     {&master, "master_params"}},
-                    2, 2);
-  APEX_CHECK(momentum == 0 || !momentum_buf.empty(), who, ": momentum ", momentum,
-             " needs the momentum buffers");
-  // The step is skipped when the noop flag is already set (apex's early exit).
-  const float flag = static_cast<float>(read_scalar(noop));
-  const float inv = static_cast<float>(scale);
-  kernels::SgdArgs args =
-      sgd_args(lr, momentum, dampening, weight_decay, nesterov, first_run, wd_after_momentum);
-  args.amp.inv_scale = &inv;
-  args.amp.found_inf = &flag;
-  args.amp.unscale_grads = unscale_grads;
-  kernels::cpu::sgd(lists.view(), args);
-}
-
-void multi_tensor_adagrad(Tensor noop, TensorList g, TensorList p, TensorList h, TensorList master,
-                          double lr, double eps, bool adagrad_w_mode, double weight_decay,
-                          std::optional<Tensor> inv_scale, std::optional<Tensor> found_inf,
-                          bool unscale_grads) {
-  constexpr const char* who = "multi_tensor_adagrad";
-  check_flag(noop, who);
-  if (p.empty()) return;
-  const Lists lists(
-      who, {{&p, "params"}, {&g, "grads"}, {&h, "state_sums"}, {&master, "master_params"}}, 3, 2);
-  kernels::AdagradArgs args = adagrad_args(lr, eps, adagrad_w_mode, weight_decay);
-  args.amp.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
-  args.amp.found_inf = scalar_ptr(found_inf, who, "found_inf");
-  args.amp.unscale_grads = unscale_grads;
-  kernels::cpu::adagrad(lists.view(), args);
-}
-
-void multi_tensor_lamb(Tensor noop, TensorList g, TensorList p, TensorList m, TensorList v,
-                       TensorList master, double lr, double beta1, double beta2, double eps,
-                       int64_t step, bool bias_correction, double weight_decay, bool grad_averaging,
-                       bool adam_w_mode, Tensor global_grad_norm, double max_grad_norm,
-                       bool use_nvlamb, std::optional<Tensor> inv_scale,
-                       std::optional<Tensor> found_inf, bool unscale_grads) {
-  constexpr const char* who = "multi_tensor_lamb";
-  check_flag(noop, who);
-  if (p.empty()) return;
-  const Lists lists = moment_lists(who, p, g, m, v, master);
-  APEX_CHECK(step >= 1, who, ": step must be >= 1, got ", step);
-  check_cpu(global_grad_norm, who);
-  APEX_CHECK(global_grad_norm.numel() == 1, who,
-             ": global_grad_norm must be a one-element tensor, got ", global_grad_norm.numel(),
-             " elements");
-  std::vector<float> u_sumsq(static_cast<size_t>(lists.size()), 0.0f);
-  std::vector<float> p_sumsq(static_cast<size_t>(lists.size()), 0.0f);
-  const float gnorm = static_cast<float>(read_scalar(global_grad_norm));
-  kernels::LambArgs args = lamb_args(lr, beta1, beta2, eps, step, bias_correction, weight_decay,
-                                     grad_averaging, adam_w_mode, max_grad_norm, use_nvlamb);
-  args.global_grad_norm = &gnorm;
-  args.u_sumsq = u_sumsq.data();
-  args.p_sumsq = p_sumsq.data();
-  args.amp.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
-  args.amp.found_inf = scalar_ptr(found_inf, who, "found_inf");
-  args.amp.unscale_grads = unscale_grads;
-  kernels::cpu::lamb_stage1(lists.view(), args);
-  kernels::cpu::lamb_stage2(lists.view(), args);
-}
-
-void multi_tensor_novograd(Tensor noop, TensorList g, TensorList p, TensorList m, TensorList master,
-                           Tensor v, double lr, double beta1, double beta2, double eps,
-                           int64_t step, bool bias_correction, double weight_decay,
-                           bool grad_averaging, bool reg_inside_moment,
-                           std::optional<Tensor> inv_scale, std::optional<Tensor> found_inf,
-                           bool unscale_grads) {
-  constexpr const char* who = "multi_tensor_novograd";
-  check_flag(noop, who);
-  if (p.empty()) return;
-  const Lists lists(
-      who, {{&p, "params"}, {&g, "grads"}, {&m, "exp_avgs"}, {&master, "master_params"}}, 3, 2);
-  APEX_CHECK(step >= 1, who, ": step must be >= 1, got ", step);
-  APEX_CHECK(v.numel() == static_cast<int64_t>(p.size()), who, ": grad_norms has ", v.numel(),
-             " elements, expected one per tensor (", p.size(), ")");
-  check_cpu(v, who);
-  // The blended norms as fp32, from any dtype and layout (one element per tensor).
-  Tensor flat = torch::stable::flatten(v);
-  std::vector<float> vf(p.size());
-  for (size_t i = 0; i < vf.size(); ++i) {
-    vf[i] =
-        static_cast<float>(read_scalar(torch::stable::narrow(flat, 0, static_cast<int64_t>(i), 1)));
+  static Tensor float_empty(const Tensor& like, int64_t n) {
+    return torch::stable::new_empty(like, {n}, ScalarType::Float);
   }
-  kernels::NovoGradArgs args = novograd_args(lr, beta1, beta2, eps, step, bias_correction,
-                                             weight_decay, grad_averaging, reg_inside_moment);
-  args.v = vf.data();
-  args.amp.inv_scale = scalar_ptr(inv_scale, who, "inv_scale");
-  args.amp.found_inf = scalar_ptr(found_inf, who, "found_inf");
-  args.amp.unscale_grads = unscale_grads;
-  kernels::cpu::novograd(lists.view(), args);
-}
+  static Tensor float_full(const Tensor& like, double v) {
+    Tensor t = float_empty(like, 1);
+    *t.mutable_data_ptr<float>() = static_cast<float>(v);
+    return t;
+  }
+  static Tensor as_float(const Tensor& t, const Tensor& /*like: every tensor is on the CPU*/) {
+    const Tensor f =
+        t.scalar_type() == ScalarType::Float ? t : torch::stable::to(t, ScalarType::Float);
+    return f.is_contiguous() ? f : torch::stable::contiguous(f);
+  }
+  static float* floats(const Tensor& t) { return t.mutable_data_ptr<float>(); }
+  static void raise_flag(const Tensor& noop, const Tensor& flag) {
+    const float value = *flag.const_data_ptr<float>();
+    if (value > read_scalar(noop)) write_scalar(noop, value);
+  }
+  static void raise_flag_if_nonfinite(const Tensor& noop, const Tensor& x) {
+    if (!std::isfinite(*x.const_data_ptr<float>()) && 1.0 > read_scalar(noop)) {
+      write_scalar(noop, 1.0);
+    }
+  }
+  template <class Kernel, class Args>
+  static void launch(const ops::TensorRef& /*on: the CPU*/, const kernels::TensorLists& lists,
+                     const Args& args) {
+    Kernel::cpu(lists, args);
+  }
+};
 
 // ---- norms -------------------------------------------------------------------------------------
 // fused_norm_fwd / fused_norm_bwd for fp32, bf16 and fp16 CPU tensors: the regular library's
@@ -822,7 +503,7 @@ namespace {
 // not run ... with arguments from the 'CUDA' backend").
 void register_kernels(torch::stable::detail::StableLibrary& m) {
   using namespace apex::python::stable;
-#define APEX_PY_IMPL(name, schema) m.impl(#name, TORCH_BOX(&name));
+#define APEX_PY_IMPL(name, schema) m.impl(#name, TORCH_BOX(&apex::ops::name<StableGlue>));
   APEX_PY_MULTI_TENSOR_OPS(APEX_PY_IMPL)
 #undef APEX_PY_IMPL
   m.impl("fused_norm_fwd", TORCH_BOX(&fused_norm_fwd));

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/multi_tensor.h"
+#include "ops/lists.h"
 
 namespace apex::bridge {
 
@@ -20,31 +21,23 @@ namespace apex::bridge {
 kernels::DType kernel_dtype(const at::Tensor& t, const char* who);
 kernels::DType kernel_dtype(at::ScalarType t, const char* who);
 
-/// Owns the pointer arrays a kernels::TensorLists refers to.
-class ListBuilder {
+/// Owns the pointer arrays a kernels::TensorLists refers to (ops::ListBuilder over at::Tensor).
+class ListBuilder : public ops::ListBuilder {
  public:
-  explicit ListBuilder(int num_lists) : num_lists_(num_lists) {}
+  using ops::ListBuilder::ListBuilder;
   /// Appends tensor i of every list; absent optional lists pass undefined tensors.
   void add(at::ArrayRef<at::Tensor> row);
-  int64_t size() const { return static_cast<int64_t>(numel_.size()); }
-  kernels::TensorLists view() const;
-
- private:
-  int num_lists_;
-  std::vector<int64_t> numel_;
-  std::vector<void*> ptrs_[kernels::kMaxLists];
-  kernels::DType dtype_[kernels::kMaxLists] = {};
-  bool present_[kernels::kMaxLists] = {};
 };
 
 /// Checks one public list argument: non-empty, dense, one device, one fp32/fp16/bf16 dtype.
-/// Messages name `who`, the argument and the offending index.
+/// Messages name `who`, the argument and the offending index (ops::check_list).
 void check_list(const std::vector<at::Tensor>& list, const char* who, const char* arg);
 
-/// Whether two dense tensors of `sizes` lay their elements out in the same order: their strides
-/// agree on every dimension longer than 1 (a size-1 dimension's stride is never used, and
-/// channels-last gradients of depthwise or 1-channel convolutions differ only there).
-bool same_memory_order(c10::IntArrayRef sizes, c10::IntArrayRef a, c10::IntArrayRef b);
+/// Whether two dense tensors of `sizes` lay their elements out in the same order
+/// (ops::same_memory_order).
+inline bool same_memory_order(c10::IntArrayRef sizes, c10::IntArrayRef a, c10::IntArrayRef b) {
+  return ops::same_memory_order(sizes, a, b);
+}
 
 /// Checks that `other` matches `ref` element-wise (same length, numel, device, layout).
 void check_matching(const std::vector<at::Tensor>& ref, const std::vector<at::Tensor>& other,

@@ -1,6 +1,6 @@
-// The kernels' hyperparameters from the Python ops' arguments (doubles, rounded once to the
-// kernels' fp32), shared by the two op libraries (ops.cpp, stable_ops.cpp) so that they cannot
-// drift; each library adds its pointers (masters' lists, amp scalars, scratch).
+// Internal, ATen-free: the kernels' hyperparameters from doubles (rounded once to the kernels'
+// fp32), for the Python ops (ops/multi_tensor_ops.h) and the C++ optimizers (optim/state.h) alike;
+// each caller adds its pointers (amp scalars, scratch).
 #pragma once
 
 #include <cmath>
@@ -8,7 +8,7 @@
 
 #include "kernels/multi_tensor.h"
 
-namespace apex::python {
+namespace apex::ops {
 
 inline kernels::AdamArgs adam_args(double lr, double beta1, double beta2, double eps, int64_t step,
                                    bool adam_w_mode, bool bias_correction, double weight_decay) {
@@ -81,4 +81,4 @@ inline kernels::NovoGradArgs novograd_args(double lr, double beta1, double beta2
   return a;
 }
 
-}  // namespace apex::python
+}  // namespace apex::ops
