@@ -31,7 +31,9 @@
 #include "kernels/batch_norm.h"
 #include "kernels/multi_tensor.h"
 #include "kernels/norm.h"
+#include "ops/batch_norm_ops.h"
 #include "ops/multi_tensor_ops.h"
+#include "ops/norm_args.h"
 #include "schemas.h"
 
 namespace apex::python::stable {
@@ -67,6 +69,10 @@ ops::TensorRefs refs(const TensorList& l) {
   r.reserve(l.size());
   for (const Tensor& t : l) r.push_back(ref(t));
   return r;
+}
+
+ops::TensorRef opt_ref(const std::optional<Tensor>& t) {
+  return t.has_value() ? ref(*t) : ops::TensorRef();
 }
 
 void check_cpu(const Tensor& t, const char* who) { ops::require_backend(ref(t), who); }
@@ -182,41 +188,6 @@ struct StableGlue {
 // with torch's ops. Autograd and autocast are Python's here (apex._stable_norms): the stable ABI
 // registers kernels for backend keys, not autograd nodes.
 
-const char* norm_who(bool rms) { return rms ? "FusedRMSNorm" : "FusedLayerNorm"; }
-
-struct Geometry {
-  int64_t rows;
-  int64_t cols;
-};
-
-Geometry check_norm_inputs(const char* who, const Tensor& x, const std::vector<int64_t>& shape,
-                           const std::optional<Tensor>& w, const std::optional<Tensor>& b,
-                           double eps) {
-  APEX_CHECK(x.defined(), who, ": input is undefined");
-  const ScalarType xt = x.scalar_type();
-  APEX_CHECK(xt == ScalarType::Float || xt == ScalarType::Double || xt == ScalarType::Half ||
-                 xt == ScalarType::BFloat16,
-             who, ": input must be a floating-point tensor, got ", dtype_name(xt));
-  APEX_CHECK(eps > 0, who, ": eps must be > 0, got ", eps);
-  APEX_CHECK(!shape.empty(), who, ": normalized_shape must not be empty");
-  const auto nd = static_cast<int64_t>(shape.size());
-  const std::vector<int64_t> sizes = x.sizes().vec();
-  APEX_CHECK(x.dim() >= nd && std::equal(shape.begin(), shape.end(), sizes.end() - nd), who,
-             ": normalized_shape ", dims(shape), " does not match the trailing dimensions of an ",
-             "input of shape ", dims(x.sizes()));
-  for (const auto* t : {&w, &b}) {
-    if (!t->has_value()) continue;
-    const char* name = t == &w ? "weight" : "bias";
-    APEX_CHECK((*t)->sizes().vec() == shape, who, ": ", name, " must have shape ", dims(shape),
-               ", got ", dims((*t)->sizes()));
-    check_cpu(**t, who);
-  }
-  check_cpu(x, who);
-  int64_t cols = 1;
-  for (int64_t d : shape) cols *= d;
-  return {cols == 0 ? 0 : x.numel() / cols, cols};
-}
-
 // t, or a contiguous copy (each stable op call costs ~1 us through the dispatcher: skipped where
 // the tensor already is).
 Tensor as_contiguous(const Tensor& t) {
@@ -231,35 +202,22 @@ std::tuple<Tensor, Tensor, Tensor> fused_norm_fwd(Tensor input, std::vector<int6
                                                   std::optional<Tensor> weight,
                                                   std::optional<Tensor> bias, double eps, bool rms,
                                                   bool mixed, bool memory_efficient) {
-  const char* who = norm_who(rms);
-  const Geometry g = check_norm_inputs(who, input, shape, weight, bias, eps);
+  (void)memory_efficient;  // the forward is the same; the caller saves the output instead
+  const char* who = ops::norm_who(rms);
+  const ops::NormGeometry g =
+      ops::check_norm(who, ref(input), shape, opt_ref(weight), opt_ref(bias), eps);
   APEX_CHECK(!mixed || weight.has_value(), who, ": the mixed-dtype variants need a weight");
   const Tensor x = as_contiguous(input);
   const std::optional<Tensor> w = as_contiguous(weight);
   const std::optional<Tensor> b = as_contiguous(bias);
-  APEX_CHECK(!w || !b || w->scalar_type() == b->scalar_type(), who,
-             ": weight and bias must have the same dtype, got ", dtype_name(w->scalar_type()),
-             " and ", dtype_name(b->scalar_type()));
   // The mixed variants return the parameters' dtype (apex's MixedFused* definition).
   const ScalarType out_dtype = mixed && w ? w->scalar_type() : x.scalar_type();
-  kernels::NormForwardArgs a;
-  a.rows = g.rows;
-  a.cols = g.cols;
-  a.rms = rms;
-  a.eps = static_cast<float>(eps);
-  a.x_dtype = kernel_dtype(x.scalar_type(), who);
-  a.y_dtype = kernel_dtype(out_dtype, who);
-  if (w) a.w_dtype = kernel_dtype(w->scalar_type(), who);
-  if (b) a.w_dtype = kernel_dtype(b->scalar_type(), who);
+  ops::check_param_dtypes(who, opt_ref(w), opt_ref(b));
   Tensor y = torch::stable::new_empty(x, x.sizes(), out_dtype);
   Tensor mean = torch::stable::new_empty(x, {rms ? 0 : g.rows}, ScalarType::Float);
   Tensor rstd = torch::stable::new_empty(x, {g.rows}, ScalarType::Float);
-  a.x = x.const_data_ptr();
-  a.w = w ? w->const_data_ptr() : nullptr;
-  a.b = b ? b->const_data_ptr() : nullptr;
-  a.y = y.mutable_data_ptr();
-  a.mean = rms ? nullptr : mean.mutable_data_ptr<float>();
-  a.rstd = rstd.mutable_data_ptr<float>();
+  const kernels::NormForwardArgs a = ops::norm_forward_args(
+      who, g, eps, rms, ref(x), opt_ref(w), opt_ref(b), ref(y), ref(mean), ref(rstd));
   if (g.rows > 0 && g.cols > 0) kernels::cpu::norm_forward(a);
   return {y, mean, rstd};
 }
@@ -268,20 +226,14 @@ std::tuple<Tensor, Tensor, Tensor> fused_norm_bwd(
     Tensor grad_out, Tensor saved, Tensor mean, Tensor rstd, std::optional<Tensor> weight,
     std::optional<Tensor> bias, std::vector<int64_t> shape, double eps, bool rms, bool mixed,
     bool memory_efficient, ScalarType input_dtype, std::vector<bool> output_mask) {
-  const char* who = norm_who(rms);
-  const Geometry g = check_norm_inputs(who, saved, shape, weight, bias, eps);
+  (void)mixed;  // the gradients' dtypes follow the tensors
+  const char* who = ops::norm_who(rms);
+  const ops::NormGeometry g =
+      ops::check_norm(who, ref(saved), shape, opt_ref(weight), opt_ref(bias), eps);
   APEX_CHECK(output_mask.size() == 3, who, ": output_mask must have 3 entries");
-  APEX_CHECK(grad_out.sizes().vec() == saved.sizes().vec(), who, ": the gradient has shape ",
-             dims(grad_out.sizes()), ", expected the output's ", dims(saved.sizes()));
-  APEX_CHECK(rstd.numel() == g.rows && (rms || memory_efficient || mean.numel() == g.rows), who,
-             ": the saved statistics have ", rstd.numel(), " rows, expected ", g.rows);
-  check_cpu(grad_out, who);
-  // The kernels read the saved input as input_dtype, and the weight as the bias's dtype.
-  APEX_CHECK(memory_efficient || saved.scalar_type() == input_dtype, who, ": the saved input is ",
-             dtype_name(saved.scalar_type()), " but input_dtype is ", dtype_name(input_dtype));
-  APEX_CHECK(!weight || !bias || weight->scalar_type() == bias->scalar_type(), who,
-             ": weight and bias must have the same dtype, got ", dtype_name(weight->scalar_type()),
-             " and ", dtype_name(bias->scalar_type()));
+  ops::check_norm_backward(who, g, ref(grad_out), ref(saved), ref(mean), ref(rstd), rms,
+                           memory_efficient, input_dtype);
+  ops::check_param_dtypes(who, opt_ref(weight), opt_ref(bias));
   const Tensor dy = as_contiguous(grad_out);
   const Tensor src = as_contiguous(saved);
   const std::optional<Tensor> w = as_contiguous(weight);
@@ -298,29 +250,11 @@ std::tuple<Tensor, Tensor, Tensor> fused_norm_bwd(
   Tensor dx = want_dx ? torch::stable::new_empty(src, src.sizes(), input_dtype) : empty;
   Tensor dw = want_w ? torch::stable::new_empty(src, {cols}, w_dtype) : empty;
   Tensor db = want_b ? torch::stable::new_empty(src, {cols}, w_dtype) : empty;
-  kernels::NormBackwardArgs a;
-  a.rows = g.rows;
-  a.cols = cols;
-  a.rms = rms;
-  a.eps = static_cast<float>(eps);
-  a.x_dtype = kernel_dtype(input_dtype, who);
-  a.dy_dtype = kernel_dtype(dy.scalar_type(), who);
-  APEX_CHECK(!memory_efficient || src.scalar_type() == dy.scalar_type(), who,
-             ": the gradient's dtype ", dtype_name(dy.scalar_type()), " differs from the output's ",
-             dtype_name(src.scalar_type()));
-  if (w) a.w_dtype = kernel_dtype(w->scalar_type(), who);
-  if (b && memory_efficient) a.w_dtype = kernel_dtype(b->scalar_type(), who);
-  a.dy = dy.const_data_ptr();
-  a.x = memory_efficient ? nullptr : src.const_data_ptr();
-  a.y = memory_efficient ? src.const_data_ptr() : nullptr;
-  a.w = w ? w->const_data_ptr() : nullptr;
-  a.b = b && memory_efficient ? b->const_data_ptr() : nullptr;
-  a.mean = rms || memory_efficient ? nullptr : mean_c.const_data_ptr<float>();
-  a.rstd = rstd_c.const_data_ptr<float>();
-  a.dx = want_dx ? dx.mutable_data_ptr() : nullptr;
-  a.dw = want_w ? dw.mutable_data_ptr() : nullptr;
-  a.db = want_b ? db.mutable_data_ptr() : nullptr;
-  if (want_w || want_b) a.dwb_dtype = kernel_dtype(w_dtype, who);
+  const ops::TensorRef none;
+  const kernels::NormBackwardArgs a = ops::norm_backward_args(
+      who, g, eps, rms, memory_efficient, input_dtype, ref(dy), ref(src), opt_ref(w), opt_ref(b),
+      ref(mean_c), ref(rstd_c), want_dx ? ref(dx) : none, want_w ? ref(dw) : none,
+      want_b ? ref(db) : none);
   if (g.rows > 0 && cols > 0) {
     kernels::cpu::norm_backward(a);
   } else {
@@ -339,107 +273,43 @@ std::tuple<Tensor, Tensor, Tensor> fused_norm_bwd(
 // input, which this library does not take): the input viewed as [outer, channels, inner], NC*
 // or channels-last, as the regular library's.
 
-struct BatchNormLayout {
-  kernels::BatchNormShape shape;
-  MemoryFormat format = MemoryFormat::Contiguous;
-};
-
-// Whether x's strides are those of a dense tensor whose dimensions, innermost first, are `order`.
-bool strides_in_order(const Tensor& x, const std::vector<int64_t>& order) {
-  int64_t expected = 1;
-  for (int64_t d : order) {
-    if (x.size(d) != 1 && x.stride(d) != expected) return false;
-    expected *= x.size(d);
-  }
-  return true;
-}
-
-BatchNormLayout batch_norm_layout(const Tensor& x, const char* who) {
-  APEX_CHECK(x.dim() >= 2, who, ": expected an input of at least 2 dimensions (N, C, ...), got ",
-             dims(x.sizes()));
-  check_cpu(x, who);
-  BatchNormLayout l;
-  // Channels-last as ATen's is_contiguous(ChannelsLast[3d]) reads it: C innermost, then the
-  // spatial dimensions from the last, then N; a tensor contiguous both ways counts as NC*.
-  bool cl = false;
-  if ((x.dim() == 4 || x.dim() == 5) && !x.is_contiguous()) {
-    std::vector<int64_t> order{1};
-    for (int64_t d = x.dim() - 1; d >= 2; --d) order.push_back(d);
-    order.push_back(0);
-    cl = strides_in_order(x, order);
-  }
-  l.format = !cl            ? MemoryFormat::Contiguous
-             : x.dim() == 4 ? MemoryFormat::ChannelsLast
+// The batch-norm bodies' view of torch::stable::Tensor (ops/batch_norm_ops.h).
+struct StableBatchNormGlue {
+  using Tensor = torch::stable::Tensor;
+  static ops::TensorRef ref(const Tensor& t) { return stable::ref(t); }
+  static MemoryFormat format(const Tensor& t, const ops::BatchNormLayout& l) {
+    return !l.channels_last ? MemoryFormat::Contiguous
+           : t.dim() == 4   ? MemoryFormat::ChannelsLast
                             : MemoryFormat::ChannelsLast3d;
-  l.shape = kernels::batch_norm_shape(x.size(0), x.size(1), x.numel(), cl);
-  return l;
-}
-
-Tensor in_layout(const Tensor& t, MemoryFormat format) {
-  return format == MemoryFormat::Contiguous ? as_contiguous(t)
-                                            : torch::stable::contiguous(t, format);
-}
-
-// A per-channel tensor's c values as a contiguous tensor of `dtype`.
-Tensor channel_values(const Tensor& t, int64_t c, const char* who, const char* name,
-                      ScalarType dtype = ScalarType::Float) {
-  APEX_CHECK(t.numel() == c, who, ": ", name, " has ", t.numel(), " elements, expected ", c);
-  check_cpu(t, who);
-  return as_contiguous(t.scalar_type() == dtype ? t : torch::stable::to(t, dtype));
-}
+  }
+  static Tensor in_layout(const Tensor& t, const ops::BatchNormLayout& l) {
+    return l.channels_last ? torch::stable::contiguous(t, format(t, l)) : as_contiguous(t);
+  }
+  static Tensor values(const Tensor& t, ScalarType dtype) {
+    return as_contiguous(t.scalar_type() == dtype ? t : torch::stable::to(t, dtype));
+  }
+  static Tensor zeros(const Tensor& like, int64_t n, ScalarType dtype) {
+    return torch::stable::new_zeros(like, {n}, dtype);
+  }
+  static Tensor empty_in_layout(const Tensor& x, const ops::BatchNormLayout& l) {
+    return torch::stable::empty(x.sizes(), x.scalar_type(), std::nullopt,
+                                torch::stable::Device(torch::headeronly::DeviceType::CPU),
+                                std::nullopt, format(x, l));
+  }
+};
 
 Tensor batch_norm_stats(Tensor input) {
   constexpr const char* who = "batch_norm_stats";
-  const BatchNormLayout l = batch_norm_layout(input, who);
-  const Tensor x = in_layout(input, l.format);
-  const int64_t c = l.shape.channels;
-  Tensor out = torch::stable::new_zeros(x, {2 * c + 1}, ScalarType::Double);
-  kernels::BatchNormStatsArgs a;
-  a.shape = l.shape;
-  a.dtype = kernel_dtype(x.scalar_type(), who);
-  a.x = x.const_data_ptr();
-  double* o = out.mutable_data_ptr<double>();
-  a.mean = o;
-  a.m2 = o + c;
-  kernels::cpu::batch_norm_stats(a);
-  o[2 * c] = static_cast<double>(l.shape.outer * l.shape.inner);
-  return out;
+  return ops::batch_norm_stats<StableBatchNormGlue>(who, input,
+                                                    ops::batch_norm_layout(who, ref(input)));
 }
 
 Tensor elemt(const char* who, const Tensor& u, const Tensor* v, const Tensor& mean, const Tensor& a,
              const Tensor* b, const Tensor& k) {
-  const BatchNormLayout l = batch_norm_layout(u, who);
-  const int64_t c = l.shape.channels;
-  APEX_CHECK(v == nullptr || v->sizes().vec() == u.sizes().vec(), who, ": the gradient has shape ",
-             dims(v == nullptr ? u.sizes() : v->sizes()), ", expected ", dims(u.sizes()));
-  const Tensor x = in_layout(u, l.format);
-  Tensor dy;
-  if (v != nullptr) {
-    check_cpu(*v, who);
-    dy = in_layout(*v, l.format);
-  }
-  const Tensor mf = channel_values(mean, c, who, "mean");
-  const Tensor af = channel_values(a, c, who, "a");
-  const Tensor kf = channel_values(k, c, who, "k");
-  const Tensor bf = b != nullptr ? channel_values(*b, c, who, "b") : Tensor();
-  Tensor out = torch::stable::empty(x.sizes(), x.scalar_type(), std::nullopt,
-                                    torch::stable::Device(torch::headeronly::DeviceType::CPU),
-                                    std::nullopt, l.format);
-  kernels::BatchNormElemtArgs e;
-  e.shape = l.shape;
-  e.u_dtype = e.out_dtype = kernel_dtype(x.scalar_type(), who);
-  e.u = x.const_data_ptr();
-  if (v != nullptr) {
-    e.v_dtype = kernel_dtype(dy.scalar_type(), who);
-    e.v = dy.const_data_ptr();
-    e.b = bf.const_data_ptr<float>();
-  }
-  e.out = out.mutable_data_ptr();
-  e.a = af.const_data_ptr<float>();
-  e.m = mf.const_data_ptr<float>();
-  e.k = kf.const_data_ptr<float>();
-  if (x.numel() > 0) kernels::cpu::batch_norm_elemt(e);
-  return out;
+  const ops::BatchNormLayout l = ops::batch_norm_layout(who, ref(u));
+  const ops::TensorRef gradient = v != nullptr ? ref(*v) : ops::TensorRef();
+  ops::check_gradient_shape(who, v != nullptr ? &gradient : nullptr, ref(u));
+  return ops::batch_norm_elemt<StableBatchNormGlue>(who, u, v, mean, a, b, k, l);
 }
 
 Tensor batch_norm_elemt(Tensor input, Tensor mean, Tensor scale, Tensor shift) {
@@ -453,28 +323,9 @@ Tensor batch_norm_backward_elemt(Tensor grad_out, Tensor input, Tensor mean, Ten
 
 Tensor batch_norm_backward_reduce(Tensor grad_out, Tensor input, Tensor mean64) {
   constexpr const char* who = "batch_norm_backward_reduce";
-  const BatchNormLayout l = batch_norm_layout(input, who);
-  const int64_t c = l.shape.channels;
-  APEX_CHECK(grad_out.sizes().vec() == input.sizes().vec(), who, ": the gradient has shape ",
-             dims(grad_out.sizes()), ", expected ", dims(input.sizes()));
-  APEX_CHECK(mean64.numel() == c, who, ": mean has ", mean64.numel(), " elements, expected ", c);
-  check_cpu(grad_out, who);
-  const Tensor x = in_layout(input, l.format);
-  const Tensor dy = in_layout(grad_out, l.format);
-  const Tensor m = channel_values(mean64, c, who, "mean", ScalarType::Double);
-  Tensor sums = torch::stable::new_zeros(x, {2 * c}, ScalarType::Double);
-  kernels::BatchNormBackwardReduceArgs r;
-  r.shape = l.shape;
-  r.x_dtype = kernel_dtype(x.scalar_type(), who);
-  r.dy_dtype = kernel_dtype(dy.scalar_type(), who);
-  r.x = x.const_data_ptr();
-  r.dy = dy.const_data_ptr();
-  r.mean = m.const_data_ptr<double>();
-  double* o = sums.mutable_data_ptr<double>();
-  r.sum_dy = o;
-  r.sum_dy_xmu = o + c;
-  kernels::cpu::batch_norm_backward_reduce(r);
-  return sums;
+  const ops::BatchNormLayout l = ops::batch_norm_layout(who, ref(input));
+  ops::check_backward_reduce(who, ref(grad_out), ref(input), ref(mean64), l);
+  return ops::batch_norm_backward_reduce<StableBatchNormGlue>(who, grad_out, input, mean64, l);
 }
 
 std::string cpu_isa() { return kernels::cpu::isa_name(); }

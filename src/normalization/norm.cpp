@@ -18,8 +18,10 @@
 #include <vector>
 
 #include "bridge/bridge.h"
+#include "bridge/refs.h"
 #include "kernels/norm.h"
 #include "normalization/ops.h"
+#include "ops/norm_args.h"
 
 namespace apex::normalization {
 namespace {
@@ -35,26 +37,9 @@ struct Geometry {
 
 Geometry check_inputs(const char* who, const at::Tensor& x, at::IntArrayRef shape,
                       const at::Tensor& w, const at::Tensor& b, double eps) {
-  TORCH_CHECK(x.defined(), who, ": input is undefined");
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), who,
-              ": input must be a floating-point tensor, got ", x.scalar_type());
-  TORCH_CHECK(eps > 0, who, ": eps must be > 0, got ", eps);
-  TORCH_CHECK(!shape.empty(), who, ": normalized_shape must not be empty");
-  const auto nd = static_cast<int64_t>(shape.size());
-  TORCH_CHECK(x.dim() >= nd && x.sizes().slice(static_cast<size_t>(x.dim() - nd)) == shape, who,
-              ": normalized_shape ", shape,
-              " does not match the trailing dimensions of an input of shape ", x.sizes());
-  for (const auto* t : {&w, &b}) {
-    if (!t->defined()) continue;
-    const char* name = t == &w ? "weight" : "bias";
-    TORCH_CHECK(t->sizes() == shape, who, ": ", name, " must have shape ", shape, ", got ",
-                t->sizes());
-    TORCH_CHECK(t->device() == x.device(), who, ": ", name, " is on ", t->device(),
-                " but the input is on ", x.device());
-  }
-  int64_t cols = 1;
-  for (int64_t d : shape) cols *= d;
-  return {cols == 0 ? 0 : x.numel() / cols, cols, shape.size()};
+  const apex::ops::NormGeometry g =
+      apex::ops::check_norm(who, bridge::ref(x), shape, bridge::ref(w), bridge::ref(b), eps);
+  return {g.rows, g.cols, shape.size()};
 }
 
 struct Flags {
@@ -126,24 +111,9 @@ std::array<at::Tensor, 3> norm_forward(const at::Tensor& x, const at::Tensor& w,
   const auto stat_opts = x.options().dtype(at::kFloat);
   at::Tensor mean = f.rms ? at::Tensor() : fresh({g.rows}, stat_opts);
   at::Tensor rstd = fresh({g.rows}, stat_opts);
-  kernels::NormForwardArgs a;
-  a.rows = g.rows;
-  a.cols = g.cols;
-  a.rms = f.rms;
-  a.eps = static_cast<float>(eps);
-  a.x_dtype = bridge::kernel_dtype(x, who);
-  a.y_dtype = bridge::kernel_dtype(y, who);
-  if (w.defined()) a.w_dtype = bridge::kernel_dtype(w, who);
-  if (b.defined()) a.w_dtype = bridge::kernel_dtype(b, who);
-  TORCH_CHECK(!w.defined() || !b.defined() || w.scalar_type() == b.scalar_type(), who,
-              ": weight and bias must have the same dtype, got ", w.scalar_type(), " and ",
-              b.scalar_type());
-  a.x = x.data_ptr();
-  a.w = w.defined() ? w.data_ptr() : nullptr;
-  a.b = b.defined() ? b.data_ptr() : nullptr;
-  a.y = y.data_ptr();
-  a.mean = f.rms ? nullptr : mean.data_ptr<float>();
-  a.rstd = rstd.data_ptr<float>();
+  const kernels::NormForwardArgs a = apex::ops::norm_forward_args(
+      who, {g.rows, g.cols}, eps, f.rms, bridge::ref(x), bridge::ref(w), bridge::ref(b),
+      bridge::ref(y), bridge::ref(mean), bridge::ref(rstd));
   if (g.rows > 0 && g.cols > 0) {
     if (x.is_cuda()) {
       const c10::DeviceGuard guard(x.device());
@@ -286,32 +256,10 @@ std::array<at::Tensor, 3> norm_backward(const BackwardSpec& s, const at::Tensor&
     const auto dwb = src_t.options().dtype(src_t.is_cuda() ? at::kFloat : w_dtype);
     dw = want_w ? fresh({cols}, dwb) : at::Tensor();
     db = want_b ? fresh({cols}, dwb) : at::Tensor();
-    const char* who = op_name(rms);
-    kernels::NormBackwardArgs a;
-    a.rows = rows;
-    a.cols = cols;
-    a.rms = rms;
-    a.eps = static_cast<float>(eps);
-    a.x_dtype = bridge::kernel_dtype(x_dtype, who);
-    a.dy_dtype = bridge::kernel_dtype(dy, who);
-    TORCH_CHECK(!memory_efficient || src_t.scalar_type() == dy.scalar_type(), who,
-                ": the gradient's dtype ", dy.scalar_type(), " differs from the output's ",
-                src_t.scalar_type());
-    if (w_t.defined()) a.w_dtype = bridge::kernel_dtype(w_t, who);
-    if (b_t.defined()) a.w_dtype = bridge::kernel_dtype(b_t, who);
-    a.dy = dy.data_ptr();
-    a.x = memory_efficient ? nullptr : src_t.data_ptr();
-    a.y = memory_efficient ? src_t.data_ptr() : nullptr;
-    a.w = w_t.defined() ? w_t.data_ptr() : nullptr;
-    a.b = b_t.defined() ? b_t.data_ptr() : nullptr;
-    a.mean = rms || memory_efficient ? nullptr : mean_t.data_ptr<float>();
-    a.rstd = rstd_t.data_ptr<float>();
-    a.dx = dx.defined() ? dx.data_ptr() : nullptr;
-    a.dw = dw.defined() ? dw.data_ptr() : nullptr;
-    a.db = db.defined() ? db.data_ptr() : nullptr;
-    if (dw.defined() || db.defined()) {
-      a.dwb_dtype = bridge::kernel_dtype(dw.defined() ? dw : db, who);
-    }
+    kernels::NormBackwardArgs a = apex::ops::norm_backward_args(
+        op_name(rms), {rows, cols}, eps, rms, memory_efficient, x_dtype, bridge::ref(dy),
+        bridge::ref(src_t), bridge::ref(w_t), bridge::ref(b_t), bridge::ref(mean_t),
+        bridge::ref(rstd_t), bridge::ref(dx), bridge::ref(dw), bridge::ref(db));
     if (rows > 0 && cols > 0) {
       if (src_t.is_cuda()) {
         const c10::DeviceGuard guard(src_t.device());
@@ -477,17 +425,13 @@ std::array<at::Tensor, 3> backward(const char* who, const at::Tensor& grad_out,
                                    double eps, bool rms, bool mixed, bool memory_efficient,
                                    at::ScalarType input_dtype, std::array<bool, 3> want) {
   const Geometry g = check_inputs(who, saved, normalized_shape, weight, bias, eps);
-  TORCH_CHECK(grad_out.sizes() == saved.sizes(), who, ": the gradient has shape ", grad_out.sizes(),
-              ", expected the output's ", saved.sizes());
-  TORCH_CHECK(rstd.numel() == g.rows && (rms || memory_efficient || mean.numel() == g.rows), who,
-              ": the saved statistics have ", rstd.numel(), " rows, expected ", g.rows);
-  // The kernels read the saved input as input_dtype, and the weight as the bias's dtype.
-  TORCH_CHECK(memory_efficient || saved.scalar_type() == input_dtype, who, ": the saved input is ",
-              saved.scalar_type(), " but input_dtype is ", input_dtype);
-  TORCH_CHECK(!weight.defined() || !bias.defined() || weight.scalar_type() == bias.scalar_type() ||
-                  is_f64(saved, weight, bias),
-              who, ": weight and bias must have the same dtype, got ", weight.scalar_type(),
-              " and ", bias.scalar_type());
+  apex::ops::check_norm_backward(who, {g.rows, g.cols}, bridge::ref(grad_out), bridge::ref(saved),
+                                 bridge::ref(mean), bridge::ref(rstd), rms, memory_efficient,
+                                 input_dtype);
+  // The kernels read the weight as the bias's dtype (float64 takes ATen's path).
+  if (!is_f64(saved, weight, bias)) {
+    apex::ops::check_param_dtypes(who, bridge::ref(weight), bridge::ref(bias));
+  }
   const at::Tensor w = weight.defined() ? weight.contiguous() : at::Tensor();
   const at::Tensor b = bias.defined() ? bias.contiguous() : at::Tensor();
   const at::Tensor src = saved.contiguous();

@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "kernels/multi_tensor.h"
+#include "ops/kernel_args.h"
 
 namespace apex::optim::detail {
 
@@ -59,15 +60,8 @@ StateDict torch_adam_group(const Options& o) {
 /// caller sets the step and the scaling pointers.
 template <class Options>
 kernels::AdamArgs adam_args(const Options& o) {
-  kernels::AdamArgs args;
-  args.lr = static_cast<float>(o.lr());
-  args.beta1 = static_cast<float>(std::get<0>(o.betas()));
-  args.beta2 = static_cast<float>(std::get<1>(o.betas()));
-  args.eps = static_cast<float>(o.eps());
-  args.weight_decay = static_cast<float>(o.weight_decay());
-  args.adam_w_mode = o.adam_w_mode();
-  args.bias_correction = o.bias_correction();
-  return args;
+  return ops::adam_args(o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(),
+                        /*step=*/1, o.adam_w_mode(), o.bias_correction(), o.weight_decay());
 }
 
 /// LAMB's kernel arguments for a group at `step` (FusedLAMB and DistributedFusedLAMB alike); the
@@ -75,21 +69,8 @@ kernels::AdamArgs adam_args(const Options& o) {
 template <class Options>
 kernels::LambArgs lamb_args(const Options& o, int64_t step) {
   const auto [b1, b2] = o.betas();
-  kernels::LambArgs args;
-  args.lr = static_cast<float>(o.lr());
-  args.beta1 = static_cast<float>(b1);
-  args.beta2 = static_cast<float>(b2);
-  args.beta3 = kernels::grad_weight(b1, o.grad_averaging());
-  args.eps = static_cast<float>(o.eps());
-  args.weight_decay = static_cast<float>(o.weight_decay());
-  args.bias_correction1 =
-      static_cast<float>(kernels::bias_correction(b1, step, o.bias_correction()));
-  args.bias_correction2 =
-      static_cast<float>(kernels::bias_correction(b2, step, o.bias_correction()));
-  args.adam_w_mode = o.adam_w_mode();
-  args.use_nvlamb = o.use_nvlamb();
-  args.max_grad_norm = static_cast<float>(o.max_grad_norm());
-  return args;
+  return ops::lamb_args(o.lr(), b1, b2, o.eps(), step, o.bias_correction(), o.weight_decay(),
+                        o.grad_averaging(), o.adam_w_mode(), o.max_grad_norm(), o.use_nvlamb());
 }
 
 }  // namespace apex::optim::detail

@@ -9,12 +9,13 @@
 #include <ATen/core/Tensor.h>
 
 #include "kernels/batch_norm.h"
+#include "ops/batch_norm_ops.h"
 
 namespace apex::parallel::detail {
 
-/// x viewed as [outer, C, inner] in its own memory order, and that order for tensors like it.
-struct BatchNormLayout {
-  kernels::BatchNormShape shape;
+/// x viewed as [outer, C, inner] in its own memory order (ops::BatchNormLayout), and that order
+/// for tensors like it.
+struct BatchNormLayout : ops::BatchNormLayout {
   at::MemoryFormat format = at::MemoryFormat::Contiguous;
 };
 
