@@ -31,11 +31,10 @@ def _torch_at_least(major, minor):
 
 class _StableOps:
     """The ops of _apex_cpp_stable.so (LibTorch's stable ABI: the multi-tensor ops, the norms'
-    forward and backward, SyncBatchNorm's pieces and cpu_isa, on CPU tensors) under apex_cpp's
-    names, and what the rest of the package asks of the others: the CPU half-precision route is
-    unavailable, the norms' autograd is Python's (apex._stable_norms), update_scale_hysteresis is
-    the regular op's tensor code in Python, and the rest (CUDA kernels, the bench helper) say to
-    reinstall."""
+    forward and backward, SyncBatchNorm's pieces, update_scale_hysteresis and cpu_isa, on CPU
+    tensors) under apex_cpp's names, and what the rest of the package asks of the others: the CPU
+    half-precision route is unavailable, the norms' autograd is Python's (apex._stable_norms), and
+    the rest (CUDA kernels, the bench helper) say to reinstall."""
 
     def cpu_half_fallback_available(self, dtype=None):
         return False
@@ -51,33 +50,6 @@ class _StableOps:
 
     def cpu_half_fallback_prepare(self):
         pass
-
-    @staticmethod
-    def update_scale_hysteresis(scale, growth_tracker, hysteresis_tracker, found_inf,
-                                growth_factor, backoff_factor, growth_interval, hysteresis):
-        """apex_cpp::update_scale_hysteresis (python/csrc/ops.cpp) in torch's ops: tensor ops on
-        the tensors' device, no host sync."""
-        who = "update_scale_hysteresis"
-        if any(t.numel() != 1 for t in (scale, growth_tracker, hysteresis_tracker, found_inf)):
-            raise RuntimeError(f"{who}: expected one-element tensors")
-        if growth_interval < 1 or hysteresis < 1:
-            raise RuntimeError(f"{who}: growth_interval and hysteresis must be >= 1")
-        inf = found_inf.to(scale.device).reshape(()).ne(0)
-        hyst = hysteresis_tracker.reshape(())
-        growth = growth_tracker.reshape(())
-        hyst_after = torch.where(inf, hyst - 1, hyst)
-        back_off = inf.logical_and(hyst_after.le(0))
-        growth_after = torch.where(inf, torch.zeros_like(growth), growth + 1)
-        grow = growth_after.ge(growth_interval)
-        grown = scale * growth_factor
-        new_scale = torch.where(back_off, scale * backoff_factor,
-                                torch.where(grow.logical_and(torch.isfinite(grown)), grown, scale))
-        scale.copy_(new_scale)
-        growth_tracker.copy_(torch.where(grow, torch.zeros_like(growth), growth_after)
-                             .reshape(growth_tracker.shape))
-        hysteresis_tracker.copy_(torch.where(inf, hyst_after.clamp_min(0),
-                                             torch.full_like(hyst, hysteresis))
-                                 .reshape(hysteresis_tracker.shape))
 
     def __getattr__(self, name):
         if not name.startswith("__") and hasattr(torch.ops.apex_cpp_stable, name):
@@ -216,10 +188,10 @@ def _register_batch_norm_fakes(ns):
 
 
 _register_batch_norm_fakes(_NS)
+torch.library.register_fake(f"{_NS}::update_scale_hysteresis")(lambda *a, **k: None)
 
 
 if not STABLE:  # the ops below are in the regular library only
-    torch.library.register_fake("apex_cpp::update_scale_hysteresis")(lambda *a, **k: None)
 
     @torch.library.register_fake("apex_cpp::fused_norm")
     def _norm_fake(input, normalized_shape, weight, bias, eps, rms, mixed, memory_efficient):

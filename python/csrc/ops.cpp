@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -41,6 +42,7 @@
 #include "kernels/multi_tensor.h"
 #include "normalization/ops.h"
 #include "ops/multi_tensor_ops.h"
+#include "ops/scalars.h"
 #include "parallel/batch_norm_ops.h"
 #include "schemas.h"
 
@@ -90,18 +92,25 @@ struct AtenGlue {
   }
 };
 
-// apex's update_scale_hysteresis: torch's _amp_update_scale_ that backs off only after
-// `hysteresis` consecutive overflows. Tensor ops, so it runs where the tensors are, unsynced.
+// Tests: the tensor form on CPU tensors too (_update_scale_hysteresis_tensor_form).
+std::atomic<bool> tensor_form_forced{false};
+void force_update_scale_tensor_form(bool on) { tensor_form_forced.store(on); }
+
+// apex's update_scale_hysteresis: on CPU tensors the host form (ops/scalars.h), which the
+// stable-ABI library runs too; elsewhere the same rule in tensor ops, where the tensors are,
+// unsynced (test_stable_abi compares the forms).
 void update_scale_hysteresis(const Tensor& scale, const Tensor& growth_tracker,
                              const Tensor& hysteresis_tracker, const Tensor& found_inf,
                              double growth_factor, double backoff_factor, int64_t growth_interval,
                              int64_t hysteresis) {
-  constexpr const char* who = "update_scale_hysteresis";
-  for (const Tensor* t : {&scale, &growth_tracker, &hysteresis_tracker, &found_inf}) {
-    TORCH_CHECK(t->numel() == 1, who, ": expected one-element tensors");
+  const ops::TensorRef s = bridge::ref(scale), g = bridge::ref(growth_tracker),
+                       h = bridge::ref(hysteresis_tracker), f = bridge::ref(found_inf);
+  if (s.is_cpu() && g.is_cpu() && h.is_cpu() && f.is_cpu() && !tensor_form_forced) {
+    ops::update_scale_hysteresis(s, g, h, f, growth_factor, backoff_factor, growth_interval,
+                                 hysteresis);
+    return;
   }
-  TORCH_CHECK(growth_interval >= 1 && hysteresis >= 1, who,
-              ": growth_interval and hysteresis must be >= 1");
+  ops::check_update_scale_hysteresis(s, g, h, f, growth_interval, hysteresis);
   const Tensor inf = found_inf.to(scale.device()).reshape({}).ne(0);
   const Tensor hyst = hysteresis_tracker.reshape({});
   const Tensor growth = growth_tracker.reshape({});
@@ -426,10 +435,7 @@ TORCH_LIBRARY(apex_cpp, m) {
 #define APEX_PY_DEF(name, schema) m.def(schema);
   APEX_PY_MULTI_TENSOR_OPS(APEX_PY_DEF)
 #undef APEX_PY_DEF
-  m.def(
-      "update_scale_hysteresis(Tensor(a!) current_scale, Tensor(b!) growth_tracker, "
-      "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
-      "float backoff_factor, int growth_interval, int hysteresis) -> ()");
+  m.def(APEX_PY_UPDATE_SCALE_HYSTERESIS_SCHEMA);
   m.def(APEX_PY_NORM_FWD_SCHEMA);
   m.def(
       "fused_norm(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
@@ -449,6 +455,7 @@ TORCH_LIBRARY(apex_cpp, m) {
   m.def("_cpu_half_fallback_force(int forced) -> ()", &cpu_half_fallback_force);
   m.def("_cpu_half_route_calls() -> int", &cpu_half_route_calls);
   m.def("_norm_eager_autograd() -> bool", &norm_eager_autograd);
+  m.def("_update_scale_hysteresis_tensor_form(bool on) -> ()", &force_update_scale_tensor_form);
   m.def("bench_scale_calls(Tensor(a!) noop_flag, Tensor[] x, Tensor(b!)[] y, int n) -> float",
         &bench_scale_calls);
 }

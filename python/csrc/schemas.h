@@ -46,6 +46,12 @@
     "grad_averaging, bool reg_inside_moment, Tensor? inv_scale=None, Tensor? found_inf=None, "     \
     "bool unscale_grads=False) -> ()")
 
+// apex's loss-scale update with hysteresis (amp_C.update_scale_hysteresis).
+#define APEX_PY_UPDATE_SCALE_HYSTERESIS_SCHEMA                                    \
+  "update_scale_hysteresis(Tensor(a!) current_scale, Tensor(b!) growth_tracker, " \
+  "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "        \
+  "float backoff_factor, int growth_interval, int hysteresis) -> ()"
+
 // The norms' forward and backward (fused_norm, the modules' op, is the regular library's alone).
 #define APEX_PY_NORM_FWD_SCHEMA                                                                    \
   "fused_norm_fwd(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, " \

@@ -34,6 +34,7 @@
 #include "ops/batch_norm_ops.h"
 #include "ops/multi_tensor_ops.h"
 #include "ops/norm_args.h"
+#include "ops/scalars.h"
 #include "schemas.h"
 
 namespace apex::python::stable {
@@ -82,62 +83,8 @@ kernels::DType kernel_dtype(ScalarType t, const char* who) { return ops::kernel_
 ops::Shape dims(torch::headeronly::IntHeaderOnlyArrayRef d) { return {d}; }
 ops::DtypeName dtype_name(ScalarType t) { return {t}; }
 
-// f(T*) with T the C++ type of a CPU tensor's dtype (the real ones and bool).
-template <class F>
-decltype(auto) with_element_type(const Tensor& t, void* p, F&& f) {
-  switch (t.scalar_type()) {
-    case ScalarType::Float:
-      return f(static_cast<float*>(p));
-    case ScalarType::Double:
-      return f(static_cast<double*>(p));
-    case ScalarType::Half:
-      return f(static_cast<torch::headeronly::Half*>(p));
-    case ScalarType::BFloat16:
-      return f(static_cast<torch::headeronly::BFloat16*>(p));
-    case ScalarType::Long:
-      return f(static_cast<int64_t*>(p));
-    case ScalarType::Int:
-      return f(static_cast<int32_t*>(p));
-    case ScalarType::Short:
-      return f(static_cast<int16_t*>(p));
-    case ScalarType::Char:
-      return f(static_cast<int8_t*>(p));
-    case ScalarType::Byte:
-      return f(static_cast<uint8_t*>(p));
-    case ScalarType::Bool:
-      return f(static_cast<bool*>(p));
-    default:
-      fail_with("apex-cpp: unsupported dtype for a scalar tensor: ", dtype_name(t.scalar_type()));
-  }
-}
-
-// The one element of a CPU tensor of any real dtype, as a double.
-double read_scalar(const Tensor& t) {
-  APEX_CHECK(t.numel() == 1, "apex-cpp: expected a one-element tensor, got ", t.numel(),
-             " elements");
-  return with_element_type(t, t.mutable_data_ptr(), [](auto* p) {
-    using T = std::remove_pointer_t<decltype(p)>;
-    if constexpr (std::is_arithmetic_v<T>) {
-      return static_cast<double>(*p);
-    } else {
-      return static_cast<double>(static_cast<float>(*p));  // Half, BFloat16: through float
-    }
-  });
-}
-
-// Sets a one-element CPU tensor of any real dtype to v.
-void write_scalar(const Tensor& t, double v) {
-  with_element_type(t, t.mutable_data_ptr(), [v](auto* p) {
-    using T = std::remove_pointer_t<decltype(p)>;
-    if constexpr (std::is_same_v<T, bool>) {
-      *p = v != 0.0;
-    } else if constexpr (std::is_arithmetic_v<T>) {
-      *p = static_cast<T>(v);
-    } else {
-      *p = static_cast<T>(static_cast<float>(v));  // Half, BFloat16: from float
-    }
-  });
-}
+double read_scalar(const Tensor& t) { return ops::read_scalar(ref(t)); }
+void write_scalar(const Tensor& t, double v) { ops::write_scalar(ref(t), v); }
 
 // The op bodies' view of torch::stable::Tensor (ops/multi_tensor_ops.h): CPU tensors, scalars
 // and flags read and written on the host.
@@ -328,6 +275,14 @@ Tensor batch_norm_backward_reduce(Tensor grad_out, Tensor input, Tensor mean64) 
   return ops::batch_norm_backward_reduce<StableBatchNormGlue>(who, grad_out, input, mean64, l);
 }
 
+void update_scale_hysteresis(Tensor scale, Tensor growth_tracker, Tensor hysteresis_tracker,
+                             Tensor found_inf, double growth_factor, double backoff_factor,
+                             int64_t growth_interval, int64_t hysteresis) {
+  ops::update_scale_hysteresis(ref(scale), ref(growth_tracker), ref(hysteresis_tracker),
+                               ref(found_inf), growth_factor, backoff_factor, growth_interval,
+                               hysteresis);
+}
+
 std::string cpu_isa() { return kernels::cpu::isa_name(); }
 
 }  // namespace
@@ -339,6 +294,7 @@ STABLE_TORCH_LIBRARY(apex_cpp_stable, m) {
 #define APEX_PY_DEF(name, schema) m.def(schema);
   APEX_PY_MULTI_TENSOR_OPS(APEX_PY_DEF)
 #undef APEX_PY_DEF
+  m.def(APEX_PY_UPDATE_SCALE_HYSTERESIS_SCHEMA);
   m.def(APEX_PY_NORM_FWD_SCHEMA);
   m.def(APEX_PY_NORM_BWD_SCHEMA);
   m.def(APEX_PY_BATCH_NORM_STATS_SCHEMA);
@@ -357,6 +313,7 @@ void register_kernels(torch::stable::detail::StableLibrary& m) {
 #define APEX_PY_IMPL(name, schema) m.impl(#name, TORCH_BOX(&apex::ops::name<StableGlue>));
   APEX_PY_MULTI_TENSOR_OPS(APEX_PY_IMPL)
 #undef APEX_PY_IMPL
+  m.impl("update_scale_hysteresis", TORCH_BOX(&update_scale_hysteresis));
   m.impl("fused_norm_fwd", TORCH_BOX(&fused_norm_fwd));
   m.impl("fused_norm_bwd", TORCH_BOX(&fused_norm_bwd));
   m.impl("batch_norm_stats", TORCH_BOX(&batch_norm_stats));

@@ -368,3 +368,42 @@ def test_another_torch_gets_the_stable_library(tmp_path):
             cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "stable ok" in r.stdout
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("factors", [(2.0, 0.5, 3, 2), (1.1, 0.7, 1, 1), (3.0, 0.9, 2, 4)])
+def test_update_scale_hysteresis_one_rule(scale_dtype, factors):
+    """The host form (regular library on CPU tensors, stable library) and the regular library's
+    tensor form (its CUDA route, forced here on CPU tensors) step alike, bit for bit."""
+    growth, backoff, interval, hysteresis = factors
+    g = torch.Generator().manual_seed(11)
+    infs = (torch.rand(200, generator=g) < 0.3).tolist()
+    states = []
+    for ops, tensor_form in ((R, True), (R, False), (S, False)):
+        R._update_scale_hysteresis_tensor_form(tensor_form)
+        try:
+            scale = torch.tensor([65536.0], dtype=scale_dtype)
+            tracker = torch.zeros(1, dtype=torch.int32)
+            hyst = torch.full((1,), hysteresis, dtype=torch.int32)
+            trace = []
+            for inf in infs:
+                ops.update_scale_hysteresis(scale, tracker, hyst, torch.tensor([float(inf)]),
+                                            growth, backoff, interval, hysteresis)
+                trace.append((scale.item(), tracker.item(), hyst.item()))
+            states.append(trace)
+        finally:
+            R._update_scale_hysteresis_tensor_form(False)
+    assert states[0] == states[1] == states[2]
+    assert len({s for s, _, _ in states[0]}) > 3  # the scale moved both ways
+
+
+@pytest.mark.parametrize("bad", [
+    lambda ops: ops.update_scale_hysteresis(torch.ones(2), torch.zeros(1, dtype=torch.int32),
+                                            torch.ones(1, dtype=torch.int32), torch.zeros(1), 2.0,
+                                            0.5, 2, 1),
+    lambda ops: ops.update_scale_hysteresis(torch.ones(1), torch.zeros(1, dtype=torch.int32),
+                                            torch.ones(1, dtype=torch.int32), torch.zeros(1), 2.0,
+                                            0.5, 0, 1),
+])
+def test_update_scale_hysteresis_same_messages(bad):
+    assert message(lambda: bad(S)) == message(lambda: bad(R))
