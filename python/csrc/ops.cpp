@@ -19,6 +19,7 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <apex/amp/cpu_half.h>
+#include <apex/amp/options.h>
 #include <apex/optim/multi_tensor.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
@@ -419,6 +420,14 @@ int64_t cpu_half_route_calls() {
   return static_cast<int64_t>(apex::amp::detail::cpu_half_route_calls());
 }
 
+// Tests: the C++ opt-level table (amp::Properties::resolve with no override) as describe()
+// prints it, for a test that compares Python's (apex/amp/frontend.py) with it.
+std::string amp_level_defaults(const std::string& level, c10::ScalarType half_dtype) {
+  return apex::amp::Properties::resolve(
+             apex::amp::Options(apex::amp::parse_opt_level(level)).half_dtype(half_dtype))
+      .describe();
+}
+
 // For python -m apex.bench: seconds per call of the C++ multi_tensor_scale, called n times from
 // C++ (what a Python call adds is measured against it in the same process).
 double bench_scale_calls(const Tensor& noop, const TensorList& x, const TensorList& y, int64_t n) {
@@ -455,6 +464,7 @@ TORCH_LIBRARY(apex_cpp, m) {
   m.def("_cpu_half_fallback_force(int forced) -> ()", &cpu_half_fallback_force);
   m.def("_cpu_half_route_calls() -> int", &cpu_half_route_calls);
   m.def("_norm_eager_autograd() -> bool", &norm_eager_autograd);
+  m.def("_amp_level_defaults(str level, ScalarType half_dtype) -> str", &amp_level_defaults);
   m.def("_update_scale_hysteresis_tensor_form(bool on) -> ()", &force_update_scale_tensor_form);
   m.def("bench_scale_calls(Tensor(a!) noop_flag, Tensor[] x, Tensor(b!)[] y, int n) -> float",
         &bench_scale_calls);

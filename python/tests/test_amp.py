@@ -751,3 +751,27 @@ def test_cpu_half_scope_serves_attention_where_half_matmuls_are_fast():
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     finally:
         ops._cpu_half_fallback_force(-1)
+
+
+@pytest.mark.parametrize("half_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_python_opt_level_table_is_the_cpp_one(level, half_dtype):
+    """apex.amp's table (frontend._LEVELS) and the C++ library's (amp::Properties::resolve)
+    resolve every level alike; apex's None ("does not apply") is C++'s false."""
+    from apex import _ops
+    from apex.amp import frontend
+    if _ops.STABLE:
+        pytest.skip("the table is the regular op library's")
+    cpp = dict(line.split(":", 1) for line in
+               torch.ops.apex_cpp._amp_level_defaults(level, half_dtype).splitlines())
+    cpp = {k.strip(): v.strip() for k, v in cpp.items()}
+    p = frontend._resolve(level, True, half_dtype, {})
+    names = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16"}
+    assert cpp["cast_model_type"] == (names[p.cast_model_type] if p.cast_model_type else "None")
+    assert cpp["patch_torch_functions"] == str(bool(p.patch_torch_functions))
+    assert cpp["keep_batchnorm_fp32"] == str(bool(p.keep_batchnorm_fp32))
+    assert cpp["master_weights"] == str(bool(p.master_weights))
+    if p.loss_scale == "dynamic":
+        assert cpp["loss_scale"] == "dynamic"
+    else:
+        assert float(cpp["loss_scale"]) == float(p.loss_scale)

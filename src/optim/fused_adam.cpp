@@ -149,14 +149,10 @@ void FusedAdam::fused_step(const GradScaling& scaling) {
       const bool master = o.master_weights() && bucket.front().param.scalar_type() != at::kFloat;
       bridge::ListBuilder lists(5);
       for (const auto& e : bucket) {
-        auto& slot = state_[e.param.unsafeGetTensorImpl()];
-        if (!slot) {
-          auto s = std::make_unique<FusedAdamParamState>();
-          s->exp_avg(detail::zeros_state(e.param));
-          s->exp_avg_sq(detail::zeros_state(e.param));
-          slot = std::move(s);
-        }
-        auto& s = static_cast<FusedAdamParamState&>(*slot);
+        auto& s = state_of<FusedAdamParamState>(e.param, [&](FusedAdamParamState& st) {
+          st.exp_avg(detail::zeros_state(e.param));
+          st.exp_avg_sq(detail::zeros_state(e.param));
+        });
         s.exp_avg(detail::conform_state(s.exp_avg(), e.param));
         s.exp_avg_sq(detail::conform_state(s.exp_avg_sq(), e.param));
         if (master) {
