@@ -37,8 +37,8 @@ struct Geometry {
 
 Geometry check_inputs(const char* who, const at::Tensor& x, at::IntArrayRef shape,
                       const at::Tensor& w, const at::Tensor& b, double eps) {
-  const apex::ops::NormGeometry g =
-      apex::ops::check_norm(who, bridge::ref(x), shape, bridge::ref(w), bridge::ref(b), eps);
+  const apex::ops::NormGeometry g = apex::ops::check_norm(
+      who, bridge::meta_ref(x), shape, bridge::meta_ref(w), bridge::meta_ref(b), eps);
   return {g.rows, g.cols, shape.size()};
 }
 
@@ -112,8 +112,8 @@ std::array<at::Tensor, 3> norm_forward(const at::Tensor& x, const at::Tensor& w,
   at::Tensor mean = f.rms ? at::Tensor() : fresh({g.rows}, stat_opts);
   at::Tensor rstd = fresh({g.rows}, stat_opts);
   const kernels::NormForwardArgs a = apex::ops::norm_forward_args(
-      who, {g.rows, g.cols}, eps, f.rms, bridge::ref(x), bridge::ref(w), bridge::ref(b),
-      bridge::ref(y), bridge::ref(mean), bridge::ref(rstd));
+      who, {g.rows, g.cols}, eps, f.rms, bridge::data_ref(x), bridge::data_ref(w),
+      bridge::data_ref(b), bridge::data_ref(y), bridge::data_ref(mean), bridge::data_ref(rstd));
   if (g.rows > 0 && g.cols > 0) {
     if (x.is_cuda()) {
       const c10::DeviceGuard guard(x.device());
@@ -257,9 +257,10 @@ std::array<at::Tensor, 3> norm_backward(const BackwardSpec& s, const at::Tensor&
     dw = want_w ? fresh({cols}, dwb) : at::Tensor();
     db = want_b ? fresh({cols}, dwb) : at::Tensor();
     kernels::NormBackwardArgs a = apex::ops::norm_backward_args(
-        op_name(rms), {rows, cols}, eps, rms, memory_efficient, x_dtype, bridge::ref(dy),
-        bridge::ref(src_t), bridge::ref(w_t), bridge::ref(b_t), bridge::ref(mean_t),
-        bridge::ref(rstd_t), bridge::ref(dx), bridge::ref(dw), bridge::ref(db));
+        op_name(rms), {rows, cols}, eps, rms, memory_efficient, x_dtype, bridge::data_ref(dy),
+        bridge::data_ref(src_t), bridge::data_ref(w_t), bridge::data_ref(b_t),
+        bridge::data_ref(mean_t), bridge::data_ref(rstd_t), bridge::data_ref(dx),
+        bridge::data_ref(dw), bridge::data_ref(db));
     if (rows > 0 && cols > 0) {
       if (src_t.is_cuda()) {
         const c10::DeviceGuard guard(src_t.device());
@@ -425,12 +426,12 @@ std::array<at::Tensor, 3> backward(const char* who, const at::Tensor& grad_out,
                                    double eps, bool rms, bool mixed, bool memory_efficient,
                                    at::ScalarType input_dtype, std::array<bool, 3> want) {
   const Geometry g = check_inputs(who, saved, normalized_shape, weight, bias, eps);
-  apex::ops::check_norm_backward(who, {g.rows, g.cols}, bridge::ref(grad_out), bridge::ref(saved),
-                                 bridge::ref(mean), bridge::ref(rstd), rms, memory_efficient,
-                                 input_dtype);
+  apex::ops::check_norm_backward(who, {g.rows, g.cols}, bridge::meta_ref(grad_out),
+                                 bridge::meta_ref(saved), bridge::meta_ref(mean),
+                                 bridge::meta_ref(rstd), rms, memory_efficient, input_dtype);
   // The kernels read the weight as the bias's dtype (float64 takes ATen's path).
   if (!is_f64(saved, weight, bias)) {
-    apex::ops::check_param_dtypes(who, bridge::ref(weight), bridge::ref(bias));
+    apex::ops::check_param_dtypes(who, bridge::meta_ref(weight), bridge::meta_ref(bias));
   }
   const at::Tensor w = weight.defined() ? weight.contiguous() : at::Tensor();
   const at::Tensor b = bias.defined() ? bias.contiguous() : at::Tensor();

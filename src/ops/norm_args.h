@@ -33,7 +33,8 @@ void check_norm_backward(const char* who, NormGeometry g, const TensorRef& grad_
 /// Weight and bias of one dtype (the kernels read both as one).
 void check_param_dtypes(const char* who, const TensorRef& w, const TensorRef& b);
 
-/// The forward kernel's arguments: x, w, b (contiguous; w, b undefined where absent) into y and
+/// The forward kernel's arguments (from the refs' defined, dtype and data alone, so
+/// bridge::data_ref suffices): x, w, b (contiguous; w, b undefined where absent) into y and
 /// the statistics (mean undefined for RMSNorm).
 kernels::NormForwardArgs norm_forward_args(const char* who, NormGeometry g, double eps, bool rms,
                                            const TensorRef& x, const TensorRef& w,

@@ -92,7 +92,8 @@ at::Tensor aten_elemt(const at::Tensor& u, const at::Tensor* v, const at::Tensor
 
 BatchNormLayout batch_norm_layout(const at::Tensor& x, const char* who) {
   BatchNormLayout l;
-  static_cast<apex::ops::BatchNormLayout&>(l) = apex::ops::batch_norm_layout(who, bridge::ref(x));
+  static_cast<apex::ops::BatchNormLayout&>(l) =
+      apex::ops::batch_norm_layout(who, bridge::meta_ref(x));
   TORCH_CHECK(x.device().is_cpu() || x.device().is_cuda(), who,
               ": expected a CPU or CUDA tensor, got one on ", x.device());
   l.format = AtenGlue::format(x, l);
