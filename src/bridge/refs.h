@@ -45,20 +45,8 @@ inline ops::TensorRef data_ref(const at::Tensor& t) {
 
 /// The view of `t` (undefined for an undefined tensor); sizes and strides only for strided ones.
 inline ops::TensorRef ref(const at::Tensor& t) {
-  ops::TensorRef r;
-  if (!t.defined()) return r;
-  r.defined = true;
-  r.dtype = t.scalar_type();
-  r.device_type = t.device().type();
-  r.device_index = t.device().index();
-  if (t.layout() != c10::kStrided) {
-    r.strided = false;
-    r.layout = layout_name(t.layout());
-    return r;
-  }
-  r.sizes = t.sizes();
-  r.strides = t.strides();
-  r.numel = t.numel();
+  ops::TensorRef r = meta_ref(t);
+  if (!r.defined || !r.strided) return r;
   r.dense = t.is_non_overlapping_and_dense();
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   r.data = impl->has_storage() && impl->storage_initialized() ? t.data_ptr() : nullptr;

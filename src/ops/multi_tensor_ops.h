@@ -68,6 +68,18 @@ const float* optional_scalar(const typename L::OptIn& t, const TensorRef& on, co
   return t.has_value() ? scalar_ptr(L::ref(*t), on, who, name) : nullptr;
 }
 
+// GradScaler's scalars of the optimizer ops (inv_scale, found_inf: kernel memory on the
+// parameters' device): the kernel unscales and skips.
+template <class L>
+kernels::AmpArgs amp_args(const typename L::OptIn& inv_scale, const typename L::OptIn& found_inf,
+                          bool unscale_grads, const TensorRef& on, const char* who) {
+  kernels::AmpArgs a;
+  a.inv_scale = optional_scalar<L>(inv_scale, on, who, "inv_scale");
+  a.found_inf = optional_scalar<L>(found_inf, on, who, "found_inf");
+  a.unscale_grads = unscale_grads;
+  return a;
+}
+
 // Adam-style lists: params, grads, both moments, optional fp32 masters.
 inline ListBuilder moment_lists(const char* who, const TensorRefs& p, const TensorRefs& g,
                                 const TensorRefs& m, const TensorRefs& v,
@@ -180,9 +192,7 @@ void multi_tensor_adam(typename L::In noop, typename L::ListIn g, typename L::Li
       adam_args(lr, beta1, beta2, eps, step, adam_w_mode, bias_correction, weight_decay);
   args.lr_ptr = optional_scalar<L>(lr_tensor, on, who, "lr");
   args.step_ptr = optional_scalar<L>(step_tensor, on, who, "step");
-  args.amp.inv_scale = optional_scalar<L>(inv_scale, on, who, "inv_scale");
-  args.amp.found_inf = optional_scalar<L>(found_inf, on, who, "found_inf");
-  args.amp.unscale_grads = unscale_grads;
+  args.amp = amp_args<L>(inv_scale, found_inf, unscale_grads, on, who);
   L::template launch<AdamKernel>(on, lists.view(), args);
 }
 
@@ -227,9 +237,7 @@ void multi_tensor_adagrad(typename L::In noop, typename L::ListIn g, typename L:
       2);
   const TensorRef& on = rp.front();
   kernels::AdagradArgs args = adagrad_args(lr, eps, adagrad_w_mode, weight_decay);
-  args.amp.inv_scale = optional_scalar<L>(inv_scale, on, who, "inv_scale");
-  args.amp.found_inf = optional_scalar<L>(found_inf, on, who, "found_inf");
-  args.amp.unscale_grads = unscale_grads;
+  args.amp = amp_args<L>(inv_scale, found_inf, unscale_grads, on, who);
   L::template launch<AdagradKernel>(on, lists.view(), args);
 }
 
@@ -261,9 +269,7 @@ void multi_tensor_lamb(typename L::In noop, typename L::ListIn g, typename L::Li
   args.global_grad_norm = L::floats(gnorm);
   args.u_sumsq = L::floats(u_sumsq);
   args.p_sumsq = L::floats(p_sumsq);
-  args.amp.inv_scale = optional_scalar<L>(inv_scale, on, who, "inv_scale");
-  args.amp.found_inf = optional_scalar<L>(found_inf, on, who, "found_inf");
-  args.amp.unscale_grads = unscale_grads;
+  args.amp = amp_args<L>(inv_scale, found_inf, unscale_grads, on, who);
   L::template launch<LambStage1Kernel>(on, lists.view(), args);
   L::template launch<LambStage2Kernel>(on, lists.view(), args);
 }
@@ -292,9 +298,7 @@ void multi_tensor_novograd(typename L::In noop, typename L::ListIn g, typename L
   kernels::NovoGradArgs args = novograd_args(lr, beta1, beta2, eps, step, bias_correction,
                                              weight_decay, grad_averaging, reg_inside_moment);
   args.v = L::floats(vf);
-  args.amp.inv_scale = optional_scalar<L>(inv_scale, on, who, "inv_scale");
-  args.amp.found_inf = optional_scalar<L>(found_inf, on, who, "found_inf");
-  args.amp.unscale_grads = unscale_grads;
+  args.amp = amp_args<L>(inv_scale, found_inf, unscale_grads, on, who);
   L::template launch<NovoGradKernel>(on, lists.view(), args);
 }
 
