@@ -280,6 +280,29 @@ c10::intrusive_ptr<c10d::Store> c10d_store(const ProcessGroup& group) {
   return checked(group.state(), "c10d_store").store;
 }
 
+ProcessGroup process_group_of(c10::intrusive_ptr<c10d::ProcessGroup> group, c10::Device device,
+                              std::chrono::milliseconds timeout) {
+  TORCH_CHECK(group, "apex::parallel::process_group_of: the c10d group is null");
+  const std::string name = group->getBackendName();
+  TORCH_CHECK(name == "gloo" || name == "nccl",
+              "apex::parallel::process_group_of: the group's backend must be gloo or nccl, got ",
+              name);
+  TORCH_CHECK(name == "nccl" ? device.is_cuda() : device.is_cpu(),
+              "apex::parallel::process_group_of: a ", name, " group takes ",
+              name == "nccl" ? "CUDA" : "CPU", " tensors, got device ", device);
+  TORCH_CHECK(timeout.count() > 0,
+              "apex::parallel::process_group_of: the timeout must be > 0, got ", timeout.count(),
+              " ms");
+  auto s = std::make_shared<detail::ProcessGroupState>();
+  s->rank = group->getRank();
+  s->size = group->getSize();
+  s->backend = name == "nccl" ? Backend::kNccl : Backend::kGloo;
+  s->device = device;
+  s->timeout = timeout;
+  s->group = std::move(group);
+  return ProcessGroup(std::move(s));
+}
+
 namespace {
 
 // A Gloo transport thread that finds a peer's data of another size than expected (ranks that

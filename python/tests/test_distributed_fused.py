@@ -1,0 +1,201 @@
+"""apex.contrib.optimizers.DistributedFusedAdam / DistributedFusedLAMB: real processes
+(torch.multiprocessing, Gloo on 127.0.0.1) against single-process training on the whole batch."""
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from apex import _ops
+
+pytestmark = pytest.mark.skipif(_ops.STABLE or not dist.is_available(),
+                                reason="the sharded optimizers are in the regular op library")
+
+STEPS = 4
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def batches():
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(STEPS)]
+
+
+def make_opt(kind, params, **kw):
+    if kind == "adam":
+        from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+        return DistributedFusedAdam(params, lr=1e-2, weight_decay=0.01, **kw)
+    from apex.contrib.optimizers.distributed_fused_lamb import DistributedFusedLAMB
+    return DistributedFusedLAMB(params, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, **kw)
+
+
+def reference(kind, skip=(), clip=None):
+    """Single-process training on the whole batch: torch's AdamW, or apex's FusedLAMB."""
+    m = make_model()
+    if kind == "adam":
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01, eps=1e-8)
+    else:
+        from apex.optimizers import FusedLAMB
+        opt = FusedLAMB(m.parameters(), lr=1e-2, weight_decay=0.01, eps=1e-8, max_grad_norm=1.0)
+    norms = []
+    for step, (x, y) in enumerate(batches()):
+        F.mse_loss(m(x), y).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), clip)))
+        if step not in skip:
+            opt.step()
+        opt.zero_grad()
+    if clip is not None:
+        return m, opt, norms
+    return m, opt
+
+
+def worker(rank, world, port, kind, case, out):
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        m = make_model()
+        # A tiny bucket: parameters cut into fragments across buckets and ranks.
+        opt = make_opt(kind, m.parameters(), bucket_cap_mb=1e-4)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2) \
+            if case == "scaler" else None
+        result = {}
+        for step, (x, y) in enumerate(batches()):
+            loss = F.mse_loss(m(x.chunk(world)[rank]), y.chunk(world)[rank])
+            if case == "clip":
+                # apex's order: unscale through the optimizer, clip, then step.
+                scaler = scaler or torch.amp.GradScaler("cpu", init_scale=256.0)
+                scaler.scale(loss).backward()
+                opt.unscale_grads(grad_scaler=scaler)
+                result.setdefault("norms", []).append(float(opt.clip_grad_norm(0.05)))
+                scaler.step(opt)
+                scaler.update()
+            elif scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                if step == 1 and rank == world - 1:
+                    loss = loss * float("inf")  # an overflow on one rank skips every rank
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                result.setdefault("scales", []).append(scaler.get_scale())
+            opt.zero_grad()
+            if case == "resume" and step == 1:
+                # A fresh optimizer on a copy of the model, loaded from format 2, goes on alike.
+                state = opt.state_dict()
+                m2 = make_model()
+                with torch.no_grad():
+                    for a, b in zip(m2.parameters(), m.parameters()):
+                        a.copy_(b)
+                opt2 = make_opt(kind, m2.parameters(), bucket_cap_mb=1e-3)
+                opt2.load_state_dict(state)
+        if case == "resume":
+            for x, y in batches()[2:]:
+                F.mse_loss(m2(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+                opt2.step()
+                opt2.zero_grad()
+            result["resumed"] = [p.detach().clone() for p in m2.parameters()]
+        if case == "misuse":
+            scaler = torch.amp.GradScaler("cpu")
+            scaler.scale(F.mse_loss(m(batches()[0][0]), batches()[0][1])).backward()
+            scaler.unscale_(opt)
+            try:
+                scaler.step(opt)
+            except RuntimeError as e:
+                result["error"] = str(e)
+        result["params"] = [p.detach().clone() for p in m.parameters()]
+        result["state"] = opt.state_dict()
+        result["memory"] = opt.memory()
+        if rank == 0:
+            torch.save(result, out)
+        dist.destroy_process_group()
+    except Exception:
+        traceback.print_exc()
+        raise
+
+
+def run(tmp_path, kind, case, world=2):
+    out = str(tmp_path / f"{kind}-{case}.pt")
+    mp.start_processes(worker, args=(world, free_port(), kind, case, out), nprocs=world,
+                       join=True, start_method="spawn")
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_two_ranks_train_as_one_process_on_the_whole_batch(tmp_path, kind):
+    r = run(tmp_path, kind, "plain")
+    m, ref = reference(kind)
+    for got, want in zip(r["params"], m.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    # apex's format 2: per parameter its fp32 param and moments, and each group's step.
+    state = r["state"]
+    assert state["format"] == 2
+    assert state["param_groups"][0]["step"] == STEPS
+    if kind == "adam":
+        for i, p in enumerate(m.parameters()):
+            torch.testing.assert_close(state["state"][i]["exp_avg"], ref.state[p]["exp_avg"],
+                                       rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(state["state"][i]["param"], p.detach(), rtol=1e-5,
+                                       atol=1e-6)
+    # Each rank holds half of the state (three fp32 values per element, padding aside).
+    n = sum(p.numel() for p in m.parameters())
+    assert r["memory"]["params"] == n
+    assert r["memory"]["state_bytes"] < 3 * 4 * n
+
+
+def test_grad_scaler_skips_an_overflow_on_every_rank(tmp_path):
+    r = run(tmp_path, "adam", "scaler")
+    m, _ = reference("adam", skip=(1,))
+    for got, want in zip(r["params"], m.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    # torch's GradScaler saw the skip (backoff) and the clean steps (growth every 2).
+    assert r["scales"] == [1024.0, 512.0, 512.0, 1024.0]
+    assert r["state"]["param_groups"][0]["step"] == STEPS - 1
+
+
+def test_unscale_grads_then_clip_as_torch_clips_the_whole_batch(tmp_path):
+    r = run(tmp_path, "adam", "clip")
+    m, _, norms = reference("adam", clip=0.05)
+    assert r["norms"] == pytest.approx(norms, rel=1e-5)
+    assert min(norms) > 0.05  # every step clipped
+    for got, want in zip(r["params"], m.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_format_2_resumes_bit_identically(tmp_path):
+    r = run(tmp_path, "adam", "resume")
+    for a, b in zip(r["resumed"], r["params"]):
+        assert torch.equal(a, b)
+
+
+def test_scaler_unscale_is_refused_with_what_to_call_instead(tmp_path):
+    r = run(tmp_path, "adam", "misuse")
+    assert "unscale_grads(grad_scaler=scaler)" in r["error"]
+
+
+def test_bad_arguments_are_refused_before_anything():
+    from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+    p = [torch.nn.Parameter(torch.ones(3))]
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        DistributedFusedAdam(p, amsgrad=True)
+    with pytest.raises(RuntimeError, match="store_param_remainders"):
+        DistributedFusedAdam(p, store_param_remainders=True)
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            DistributedFusedAdam(p)
