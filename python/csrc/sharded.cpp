@@ -67,8 +67,10 @@ void set_sharding(Options& o, const Numbers& n, const Names& s, const char* who)
   o.reduce_scatter(reduce_scatter_of(s, who));
 }
 
-// A group's hyperparameters (what a scheduler may change between steps) into `o`.
-void set_hyper(parallel::DistributedFusedAdamOptions& o, const Numbers& h, const char* who) {
+// A group's hyperparameters (what a scheduler may change between steps) into `o`: those both
+// algorithms have, then LAMB's own.
+template <class Options>
+void set_adam_style(Options& o, const Numbers& h, const char* who) {
   o.lr(number(h, "lr", who));
   o.betas(std::make_tuple(number(h, "beta1", who), number(h, "beta2", who)));
   o.eps(number(h, "eps", who));
@@ -77,13 +79,12 @@ void set_hyper(parallel::DistributedFusedAdamOptions& o, const Numbers& h, const
   o.adam_w_mode(number(h, "adam_w_mode", who) != 0);
 }
 
+void set_hyper(parallel::DistributedFusedAdamOptions& o, const Numbers& h, const char* who) {
+  set_adam_style(o, h, who);
+}
+
 void set_hyper(parallel::DistributedFusedLAMBOptions& o, const Numbers& h, const char* who) {
-  o.lr(number(h, "lr", who));
-  o.betas(std::make_tuple(number(h, "beta1", who), number(h, "beta2", who)));
-  o.eps(number(h, "eps", who));
-  o.weight_decay(number(h, "weight_decay", who));
-  o.bias_correction(number(h, "bias_correction", who) != 0);
-  o.adam_w_mode(number(h, "adam_w_mode", who) != 0);
+  set_adam_style(o, h, who);
   o.grad_averaging(number(h, "grad_averaging", who) != 0);
   o.max_grad_norm(number(h, "max_grad_norm", who));
   o.use_nvlamb(number(h, "use_nvlamb", who) != 0);
