@@ -226,6 +226,26 @@ def test_scaler_unscale_is_refused_with_what_to_call_instead(tmp_path):
     assert "unscale_grads(grad_scaler=scaler)" in r["error"]
 
 
+def test_under_torchrun_equal_to_ddp_with_adamw(tmp_path):
+    """Two ranks started by torchrun: apex's DFA and torch's DDP + AdamW on the same batches."""
+    import subprocess
+    out = str(tmp_path / "torchrun.pt")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dfa_torchrun.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", script, out]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = torch.load(out, weights_only=False)
+    assert got["world"] == 2
+    for a, b in zip(got["dfa"], got["ddp"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # Format 2 reloads at world size 1 (test_format_2_moves_from_two_ranks_to_one goes on
+    # training from it); here: its entries are the parameters DDP trained.
+    for i, b in enumerate(got["ddp"]):
+        torch.testing.assert_close(got["state"]["state"][i]["param"], b, rtol=1e-5, atol=1e-6)
+
+
 def test_bad_arguments_are_refused_before_anything():
     from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
     p = [torch.nn.Parameter(torch.ones(3))]
