@@ -29,7 +29,7 @@ const Area kAreas[] = {
     {"ddp", "data-parallel weak scaling on this machine's cores (Gloo) against Python's DDP",
      apex::bench::run_ddp},
     {"zero",
-     "ZeRO-2 (DistributedFusedAdam) against DDP + FusedAdam: memory per rank (W = 1, 2, 4), "
+     "ZeRO-2 (DistributedFusedAdam) against DDP + FusedAdam: memory per rank (W = 1, 2, 4, 8), "
      "step time and bytes at W = 2, Python FSDP2 / ZeroRedundancyOptimizer as peers",
      apex::bench::run_zero},
     {"half",
