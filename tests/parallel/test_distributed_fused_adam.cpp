@@ -6,6 +6,7 @@
 #include <apex/optim/fused_adam.h>
 #include <apex/optim/fused_lamb.h>
 #include <apex/parallel.h>
+#include <apex/parallel/c10d.h>
 #include <apex/serialize.h>
 #include <torch/autograd.h>
 #include <torch/nn.h>
@@ -612,6 +613,59 @@ int fault(int rank, int world, const std::string& arg) {
 }
 const RegisterWorker r_fault("dfa_fault", fault);
 
+// process_group_of: a c10d group someone else made (here, ours) wrapped again; what the Python
+// package's sharded optimizers run on (torch.distributed's group).
+int wrapped(int rank, int world, const std::string& /*arg*/) {
+  auto pg = ap::init_process_group(ap::ProcessGroupOptions().timeout(std::chrono::seconds(20)));
+  const auto refused = [](const std::function<void()>& f, const std::string& what) {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      if (msg.find(what) != std::string::npos) return true;
+      std::cout << "unexpected message: " << msg << "\n";
+      return false;
+    }
+    std::cout << "accepted, expected: " << what << "\n";
+    return false;
+  };
+  bool ok = refused([] { ap::process_group_of({}, c10::kCPU, std::chrono::seconds(1)); },
+                    "the c10d group is null");
+  ok = refused(
+           [&] {
+             ap::process_group_of(ap::c10d_group(pg), c10::Device(c10::kCUDA, 0),
+                                  std::chrono::seconds(1));
+           },
+           "a gloo group takes CPU tensors, got device cuda:0") &&
+       ok;
+  ap::ProcessGroup w =
+      ap::process_group_of(ap::c10d_group(pg), c10::kCPU, std::chrono::seconds(20));
+  at::Tensor t = at::full({3}, static_cast<double>(rank + 1));
+  w.all_reduce_(t);
+  ok = ok && w.rank() == rank && w.size() == world && w.backend() == ap::Backend::kGloo &&
+       at::equal(t, at::full({3}, world * (world + 1) / 2.0));
+  // A sharded optimizer on the wrapped group trains as on the group itself.
+  auto [ref, local] = models(rank, at::kFloat, 16);
+  auto [ref2, local2] = models(rank, at::kFloat, 16);
+  ap::DistributedFusedAdam a(local->parameters(), dfa_options(Run{}), pg);
+  ap::DistributedFusedAdam b(local2->parameters(), dfa_options(Run{}), w);
+  for (int step = 0; step < 2; ++step) {
+    const at::Tensor x = inputs(step, rank);
+    at::mse_loss(local->forward(x), targets(step, rank)).backward();
+    a.step();
+    at::mse_loss(local2->forward(x), targets(step, rank)).backward();
+    b.step();
+  }
+  for (size_t i = 0; i < local->parameters().size(); ++i) {
+    ok = ok && at::equal(local->parameters()[i], local2->parameters()[i]);
+  }
+  w.destroy();  // forgets the wrapped copy; the group itself goes on
+  pg.barrier();
+  std::cout << (ok ? "ok" : "failed") << "\n";
+  return ok ? 0 : 1;
+}
+const RegisterWorker r_wrapped("dfa_wrapped", wrapped);
+
 bool all_passed(const std::vector<apex::test::RankResult>& r) {
   for (const auto& x : r) {
     if (x.exit_code != 0) return false;
@@ -773,6 +827,8 @@ TEST(MultiNode, LoopbackHostnameWithoutInterfaceFailsFastOnEveryRank) {
     EXPECT_LT(x.seconds, 5) << apex::test::describe(r);
   }
 }
+
+TEST(DistributedFusedAdam, OnAWrappedC10dGroupAsOnItsOwn) { run("dfa_wrapped", 2, ""); }
 
 TEST(DistributedFusedAdam, DeadRankFailsTheOthersWithinTheTimeout) {
   LaunchOptions o;
