@@ -1,6 +1,7 @@
 // apex-bench zero: the sharded optimizer (ZeRO-2, apex::parallel::DistributedFusedAdam) against
 // DDP + FusedAdam in the same run, on a BERT-base-sized stack of linear layers (108M parameters):
-//   memory: bf16 model with fp32 masters at W = 1, 2, 4, 8 ranks; optimizer + gradient bytes per rank
+//   memory: bf16 model with fp32 masters at W = 1, 2, 4, 8 ranks; optimizer + gradient bytes per
+//   rank
 //           (exact, from the tensors) against the formula, and each rank's peak RSS;
 //   speed:  fp32 at W = 2 on loopback; step time, and bytes sent per step (the loopback
 //           interface's counter, over both ranks) against the optimal (W-1)/W * 2 * model bytes;
