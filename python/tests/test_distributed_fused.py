@@ -45,7 +45,7 @@ def make_opt(kind, params, **kw):
     return DistributedFusedLAMB(params, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, **kw)
 
 
-def reference(kind, skip=(), clip=None):
+def reference(kind, skip=(), clip=None, micro=1):
     """Single-process training on the whole batch: torch's AdamW, or apex's FusedLAMB."""
     m = make_model()
     if kind == "adam":
@@ -55,7 +55,7 @@ def reference(kind, skip=(), clip=None):
         opt = FusedLAMB(m.parameters(), lr=1e-2, weight_decay=0.01, eps=1e-8, max_grad_norm=1.0)
     norms = []
     for step, (x, y) in enumerate(batches()):
-        F.mse_loss(m(x), y).backward()
+        sum(F.mse_loss(m(xk), yk) for xk, yk in zip(x.chunk(micro), y.chunk(micro))).backward()
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), clip)))
         if step not in skip:
@@ -90,7 +90,17 @@ def worker(rank, world, port, kind, case, out):
             todo = todo[2:]
         for step, (x, y) in todo:
             loss = F.mse_loss(m(x.chunk(world)[rank]), y.chunk(world)[rank])
-            if case == "clip":
+            if case == "accumulate":
+                # Two micro-batches: the first accumulates without communicating.
+                for k in range(2):
+                    xk, yk = x.chunk(2)[k].chunk(world)[rank], y.chunk(2)[k].chunk(world)[rank]
+                    if k == 0:
+                        with opt.no_sync():
+                            F.mse_loss(m(xk), yk).backward()
+                    else:
+                        F.mse_loss(m(xk), yk).backward()
+                opt.step()
+            elif case == "clip":
                 # apex's order: unscale through the optimizer, clip, then step.
                 scaler = scaler or torch.amp.GradScaler("cpu", init_scale=256.0)
                 scaler.scale(loss).backward()
@@ -201,6 +211,13 @@ def test_unscale_grads_then_clip_as_torch_clips_the_whole_batch(tmp_path):
     m, _, norms = reference("adam", clip=0.05)
     assert r["norms"] == pytest.approx(norms, rel=1e-5)
     assert min(norms) > 0.05  # every step clipped
+    for got, want in zip(r["params"], m.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_no_sync_micro_batches_equal_their_sum_on_the_whole_batch(tmp_path):
+    r = run(tmp_path, "adam", "accumulate")
+    m, _ = reference("adam", micro=2)
     for got, want in zip(r["params"], m.parameters()):
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
 
