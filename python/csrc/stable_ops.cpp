@@ -43,8 +43,6 @@ namespace {
 using torch::headeronly::MemoryFormat;
 using torch::headeronly::ScalarType;
 
-#define APEX_CHECK APEX_OPS_CHECK
-using ops::fail_with;
 using torch::stable::Tensor;
 using TensorList = std::vector<Tensor>;
 
@@ -75,13 +73,6 @@ ops::TensorRefs refs(const TensorList& l) {
 ops::TensorRef opt_ref(const std::optional<Tensor>& t) {
   return t.has_value() ? ref(*t) : ops::TensorRef();
 }
-
-void check_cpu(const Tensor& t, const char* who) { ops::require_backend(ref(t), who); }
-
-kernels::DType kernel_dtype(ScalarType t, const char* who) { return ops::kernel_dtype(t, who); }
-
-ops::Shape dims(torch::headeronly::IntHeaderOnlyArrayRef d) { return {d}; }
-ops::DtypeName dtype_name(ScalarType t) { return {t}; }
 
 double read_scalar(const Tensor& t) { return ops::read_scalar(ref(t)); }
 void write_scalar(const Tensor& t, double v) { ops::write_scalar(ref(t), v); }
@@ -153,7 +144,7 @@ std::tuple<Tensor, Tensor, Tensor> fused_norm_fwd(Tensor input, std::vector<int6
   const char* who = ops::norm_who(rms);
   const ops::NormGeometry g =
       ops::check_norm(who, ref(input), shape, opt_ref(weight), opt_ref(bias), eps);
-  APEX_CHECK(!mixed || weight.has_value(), who, ": the mixed-dtype variants need a weight");
+  APEX_OPS_CHECK(!mixed || weight.has_value(), who, ": the mixed-dtype variants need a weight");
   const Tensor x = as_contiguous(input);
   const std::optional<Tensor> w = as_contiguous(weight);
   const std::optional<Tensor> b = as_contiguous(bias);
@@ -177,7 +168,7 @@ std::tuple<Tensor, Tensor, Tensor> fused_norm_bwd(
   const char* who = ops::norm_who(rms);
   const ops::NormGeometry g =
       ops::check_norm(who, ref(saved), shape, opt_ref(weight), opt_ref(bias), eps);
-  APEX_CHECK(output_mask.size() == 3, who, ": output_mask must have 3 entries");
+  APEX_OPS_CHECK(output_mask.size() == 3, who, ": output_mask must have 3 entries");
   ops::check_norm_backward(who, g, ref(grad_out), ref(saved), ref(mean), ref(rstd), rms,
                            memory_efficient, input_dtype);
   ops::check_param_dtypes(who, opt_ref(weight), opt_ref(bias));

@@ -46,7 +46,8 @@ const char* layout_name(c10::Layout layout) {
 void ListBuilder::add(at::ArrayRef<at::Tensor> row) {
   ops::TensorRef r[kernels::kMaxLists];
   TORCH_INTERNAL_ASSERT(row.size() <= kernels::kMaxLists);
-  for (size_t i = 0; i < row.size(); ++i) r[i] = ref(row[i]);
+  // The lists were checked before (check_list or collect()): the row needs no more.
+  for (size_t i = 0; i < row.size(); ++i) r[i] = data_ref(row[i]);
   ops::ListBuilder::add(r, row.size());
 }
 

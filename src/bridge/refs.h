@@ -33,12 +33,14 @@ inline ops::TensorRef meta_ref(const at::Tensor& t) {
   return r;
 }
 
-/// What kernel arguments read after the checks (defined, dtype, data pointer only).
+/// What kernel arguments and list rows read after the checks (defined, dtype, numel and the
+/// data pointer only).
 inline ops::TensorRef data_ref(const at::Tensor& t) {
   ops::TensorRef r;
   if (!t.defined()) return r;
   r.defined = true;
   r.dtype = t.scalar_type();
+  r.numel = t.numel();
   r.data = t.data_ptr();
   return r;
 }
