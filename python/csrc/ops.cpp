@@ -382,7 +382,7 @@ thread_local std::vector<std::unique_ptr<apex::amp::CpuHalfFallbackGuard>> half_
 
 // Starts a scope; false (and nothing held) where the fallback is not available.
 bool cpu_half_fallback_enter() {
-  // The guard's own question (the route, or attention's own kernels where LibTorch's half
+  // The guard's own question (the fallback, or attention's own kernels where LibTorch's half
   // matmuls are fast), so that Python's scope serves what C++'s does.
   if (!apex::amp::cpu_half_scope_available()) return false;
   half_scopes.push_back(std::make_unique<apex::amp::CpuHalfFallbackGuard>(true));
@@ -415,7 +415,7 @@ void cpu_half_fallback_force(int64_t forced) {
       forced < 0 ? std::nullopt : std::optional<bool>(forced == 1));
 }
 
-// Tests: the op calls in this thread that the route computed.
+// Tests: the op calls in this thread that the fallback computed.
 int64_t cpu_half_route_calls() {
   return static_cast<int64_t>(apex::amp::detail::cpu_half_route_calls());
 }

@@ -564,7 +564,7 @@ def test_amp_initialize_registers_the_route_at_setup():
 import torch
 from apex import amp
 torch.ops.apex_cpp._cpu_half_fallback_force(1)
-ours = lambda: "cpu_half.cpp" in torch._C._dispatch_dump("aten::mm")
+ours = lambda: "amp/cpu_half/scope.cpp" in torch._C._dispatch_dump("aten::mm")
 before = ours()
 amp.initialize(torch.nn.Linear(4, 4), opt_level="O0", verbosity=0)
 after_o0 = ours()
@@ -594,7 +594,7 @@ def test_cpu_half_route_follows_onednn_isa_limit(limit):
     out = _run_fresh("""
 import torch
 from apex import amp
-ours = lambda: "cpu_half.cpp" in torch._C._dispatch_dump("aten::mm")
+ours = lambda: "amp/cpu_half/scope.cpp" in torch._C._dispatch_dump("aten::mm")
 amp.initialize(torch.nn.Linear(4, 4), opt_level="O1", verbosity=0)
 print(amp.cpu_half_fallback_available(torch.bfloat16), ours())
 """, ONEDNN_MAX_CPU_ISA=limit)

@@ -1,6 +1,6 @@
 // Kernel interface of the activations of bf16 and fp16 CPU tensors: GELU and SiLU forward and
-// backward over contiguous buffers, by table lookup. Used by amp's half-precision route
-// (amp/cpu_half.cpp), where LibTorch's bf16/fp16 GELU on AVX2 takes 1.5-1.7x the time of its fp32
+// backward over contiguous buffers, by table lookup. Used by amp's CPU half fallback
+// (amp/cpu_half/), where LibTorch's bf16/fp16 GELU on AVX2 takes 1.5-1.7x the time of its fp32
 // one.
 //
 // Every bf16 or fp16 element is one of 65536 bit patterns, so GELU of it is read from a table

@@ -1,8 +1,8 @@
 // Kernel interface of scaled dot-product attention on bf16/fp16 CPU tensors with fp32 sums and
 // softmax, each output rounded once to the half dtype: per (batch, head), every product by the
 // half product's packs and tile (kernels/gemm.h), the scores of all keys of all queries held at
-// once in fp32 (so sequences up to kAttentionMaxLength). Used by amp's half-precision route
-// (amp/cpu_half.cpp) in place of widening the inputs for LibTorch's fp32 flash attention.
+// once in fp32 (so sequences up to kAttentionMaxLength). Used by amp's CPU half fallback
+// (amp/cpu_half/) in place of widening the inputs for LibTorch's fp32 flash attention.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,6 @@
 // Kernel interface of products of bf16/fp16 CPU matrices with fp32 sums and a half result: the
 // operands widened as they are packed into the product's fp32 panels, the result rounded once as
-// it is stored. Used by amp's half-precision route (amp/cpu_half.cpp) in place of widening both
+// it is stored. Used by amp's CPU half fallback (amp/cpu_half/) in place of widening both
 // operands, LibTorch's fp32 product and a rounding pass (three passes over memory and four ATen
 // calls).
 #pragma once

@@ -1,5 +1,5 @@
 // Kernel interface of products of bf16/fp16 CPU matrices with a few fp32 vectors: fp32 sums, the
-// matrix read in place. Used by amp's half-precision route (amp/cpu_half.cpp) for products with
+// matrix read in place. Used by amp's CPU half fallback (amp/cpu_half/) for products with
 // a few rows or columns (small-batch `linear`), where widening the whole matrix for them cost
 // 2-5x the fp32 product.
 #pragma once

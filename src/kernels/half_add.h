@@ -1,5 +1,5 @@
 // Kernel interface of an fp32 vector added into every row of a bf16/fp16 tensor in place, in one
-// pass: used by amp's half-precision route (amp/cpu_half.cpp) for `out += bias` of LibTorch's C++
+// pass: used by amp's CPU half fallback (amp/cpu_half/) for `out += bias` of LibTorch's C++
 // Linear on an N-d input at O1 (a half product, an fp32 bias), which LibTorch computes by widening
 // all of `out` into a temporary, adding, and rounding the temporary back.
 #pragma once

@@ -299,7 +299,7 @@ std::vector<Case> cases() {
          return at::conv_transpose2d(in({2, 4, 5, 5}, 29), in({4, 3, 4, 4}, 30), in({3}, 31), 2, 1);
        }},
       // 1-D convolutions with 16 or more output channels (per group): apex's own product, a sum
-      // over the taps reading the input through strides (cpu_half_conv1d.h). Lengths that fill
+      // over the taps reading the input through strides (cpu_half/conv1d.h). Lengths that fill
       // the packing's stride-2 runs and leave a tail; the input's gradient a residue at a time.
       {"conv1d k3 s2 32 -> 32 channels (wav2vec2's encoder layers)",
        [](const Input& in) {

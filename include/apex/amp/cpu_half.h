@@ -26,7 +26,7 @@ bool cpu_half_fallback_available(c10::ScalarType dtype);
 /// ... for bf16 or fp16.
 bool cpu_half_fallback_available();
 
-/// Whether a CpuHalfFallbackGuard does anything in this process: the route serves a half dtype,
+/// Whether a CpuHalfFallbackGuard does anything in this process: the fallback serves a half dtype,
 /// or attention's own kernels do (also where LibTorch's half matmuls are fast). C++'s guard and
 /// Python's `apex.amp.cpu_half_fallback()` both ask this one question.
 bool cpu_half_scope_available();
@@ -58,11 +58,11 @@ class CpuHalfFallbackGuard {
   CpuHalfFallbackGuard& operator=(const CpuHalfFallbackGuard&) = delete;
 
  private:
-  bool counted_;
+  bool opened_;
 };
 
-/// Puts the route's kernels into LibTorch's dispatcher now, where the route is available (else
-/// does nothing); otherwise the first CpuHalfFallbackGuard of the process does it. LibTorch's
+/// Puts the fallback's kernels into LibTorch's dispatcher now, where the fallback is available
+/// (else does nothing); otherwise the first CpuHalfFallbackGuard of the process does it. LibTorch's
 /// dispatcher is not safe to change while other threads call the ops concerned (mm, convolution,
 /// gelu, ...), so call this before starting threads that run such ops, as apex::amp::initialize
 /// does at O1-O3. Once in, the kernels stay for the process: outside a guard they hand every call
@@ -73,7 +73,7 @@ void prepare_cpu_half_fallback();
 struct CpuHalfSupport;
 
 namespace detail {
-/// What the scope serves on a CPU: the route per dtype, attention's own kernels per dtype.
+/// What the scope serves on a CPU: the fallback per dtype, attention's own kernels per dtype.
 struct CpuHalfDecision {
   bool route_bf16 = false;
   bool route_fp16 = false;
@@ -89,20 +89,20 @@ CpuHalfDecision decide_cpu_half(const CpuHalfSupport& support, bool own_kernels,
                                 const char* fallback_env, const char* attention_env);
 
 /// Tests only: decide availability as `forced` (nullopt: from the CPU and the environment again;
-/// false: nothing, as APEX_CPU_HALF_FALLBACK=0; true: the route and attention for both dtypes).
+/// false: nothing, as APEX_CPU_HALF_FALLBACK=0; true: the fallback and attention for both dtypes).
 void force_cpu_half_fallback_available(std::optional<bool> forced);
 /// Tests only: as a CPU whose half matmuls LibTorch runs fast (AVX512-BF16 and AVX512-FP16, or
-/// AMX): no route, attention's own kernels for both dtypes (where the kernel table has them).
+/// AMX): no fallback, attention's own kernels for both dtypes (where the kernel table has them).
 void force_cpu_half_attention_only();
-/// Tests only: how many op calls in this thread the route has computed (not handed to LibTorch).
+/// Tests only: how many op calls in this thread the fallback has computed (not handed to LibTorch).
 uint64_t cpu_half_route_calls();
 /// Tests only: whether products with more than 32 rows and columns take apex's own product
 /// (AVX2 and wider, unless APEX_CPU_HALF_GEMM=0), and how many op calls in this thread it took.
 bool cpu_half_own_gemm();
 uint64_t cpu_half_gemm_calls();
 /// Tests only: whether attention's own kernels (kernels/attention.h) serve `dtype` in the scope:
-/// wherever the route does, and where LibTorch's half matmuls are fast too (its half attention is
-/// not), unless APEX_CPU_HALF_FALLBACK=0 or APEX_CPU_HALF_ATTENTION=0.
+/// wherever the fallback does, and where LibTorch's half matmuls are fast too (its half attention
+/// is not), unless APEX_CPU_HALF_FALLBACK=0 or APEX_CPU_HALF_ATTENTION=0.
 bool cpu_half_attention_available(c10::ScalarType dtype);
 }  // namespace detail
 

@@ -71,8 +71,10 @@ class Amp {
     if (autocast_enabled()) {
       guard.emplace(device_type_of(m), properties().half_dtype, true);
     }
-    // Half matmuls through fp32 on CPUs without fast ones (a no-op elsewhere).
-    const CpuHalfFallbackGuard half_fallback(computes_in_half());
+    // The CPU half fallback (a no-op where LibTorch's half kernels are fast); at O1 on the CPU
+    // the autocast region has opened it already.
+    const bool opened = guard.has_value() && guard->enabled() && guard->device() == c10::kCPU;
+    const CpuHalfFallbackGuard half_fallback(computes_in_half() && !opened);
     return cast_output(m.forward(cast_input(std::forward<Args>(args))...));
   }
 

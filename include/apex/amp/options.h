@@ -58,7 +58,8 @@ struct Options {
   TORCH_ARG(bool, enabled) = true;
   /// The lower precision used by O1's autocast and O2/O3's model cast: kHalf or kBFloat16.
   /// Unset: follows the models' device, as apex-train does: fp16 on CUDA (apex's default), bf16 on
-  /// the CPU (fast there, natively or through apex's fp32 route, and it needs no loss scaling).
+  /// the CPU (fast there, natively or through apex's CPU half fallback, and it needs no loss
+  /// scaling).
   TORCH_ARG(std::optional<c10::ScalarType>, half_dtype) = std::nullopt;
   /// Override: dtype the model is cast to (O2/O3 default: half_dtype; O0: fp32; O1: must be unset).
   TORCH_ARG(std::optional<c10::ScalarType>, cast_model_type) = std::nullopt;

@@ -95,8 +95,9 @@ CpuHalfMatmul cpu_half_matmul_kind(c10::ScalarType dtype);
 CpuHalfMatmul cpu_half_matmul_kind(c10::ScalarType dtype, const CpuHalfSupport& support);
 
 /// Whether LibTorch multiplies `dtype` (Half or BFloat16) matrices on this CPU at about fp32 speed
-/// or better (kind kFast); where not, apex's fp32 route (cpu_half.h) takes them. `initialize`
-/// warns where neither is fast for an opt level that computes on CPU parameters in `dtype`.
+/// or better (kind kFast); where not, apex's CPU half fallback (cpu_half.h) takes them.
+/// `initialize` warns where neither is fast for an opt level that computes on CPU parameters in
+/// `dtype`.
 bool cpu_half_matmul_is_fast(c10::ScalarType dtype);
 
 /// The same decision for a given set of features.

@@ -11,7 +11,7 @@ compute in fp32 (apex-cpp's own product and attention kernels, or torch's fp32 k
 exactly widened inputs), their outputs rounded once to the half dtype, and GELU
 and SiLU (forward and backward) read a correctly rounded table per half dtype. The scope
 belongs to the thread that opens it; where torch's half path is fast it does nothing (per
-dtype: a CPU with AVX512-BF16 but no AVX512-FP16 takes the route for fp16 alone), and
+dtype: a CPU with AVX512-BF16 but no AVX512-FP16 takes the fallback for fp16 alone), and
 ``APEX_CPU_HALF_FALLBACK=0`` turns it off (``=1`` on, to compare). ``apex.amp`` opens it around the
 forward of the models it patched and around the backward inside ``scale_loss`` at O1-O3; code
 that casts its model itself opens it by hand::
@@ -52,7 +52,7 @@ class cpu_half_fallback:  # noqa: N801 (a context manager, named like torch's)
 
 
 def cpu_half_fallback_available(dtype=None):
-    """Whether the fp32 route is used on this CPU for ``dtype`` (``torch.bfloat16`` or
+    """Whether the CPU half fallback is used on this CPU for ``dtype`` (``torch.bfloat16`` or
     ``torch.float16``; None: for either), decided once per process from cpuid and
     ``APEX_CPU_HALF_FALLBACK`` (and oneDNN's ``ONEDNN_MAX_CPU_ISA``): a CPU with AVX512-BF16
     but no AVX512-FP16 takes it for fp16 only."""
@@ -63,12 +63,12 @@ def cpu_half_fallback_available(dtype=None):
 
 
 def prepare_cpu_half_fallback():
-    """Puts the route's kernels into torch's dispatcher now (where it is available) instead of on
-    the first scope: the dispatcher is not safe to change while other threads run the ops
+    """Puts the fallback's kernels into torch's dispatcher now (where it is available) instead
+    of on the first scope: the dispatcher is not safe to change while other threads run the ops
     concerned, so ``apex.amp.initialize`` calls this at setup."""
     ops.cpu_half_fallback_prepare()
 
 
 def cpu_half_fallback_active():
-    """Whether a scope is open in this thread and the route is in use."""
+    """Whether a scope is open in this thread and the fallback is in use."""
     return ops.cpu_half_fallback_active()

@@ -2,8 +2,8 @@
 // gemm_cpu.cpp): operands widened from bf16/fp16 as they are packed into fp32 panels, and a
 // register-tiled fp32 multiply-add kernel, 6 x 16 sums in 256-bit registers (AVX2) or 6 x 32 in
 // 512-bit ones (AVX-512). Compiled once per instruction set (vec.h); the tables of ISAs without
-// AVX2's FMA and F16C are empty, and the route widens through LibTorch's sgemm there. Each sum is
-// one chain of fused multiply-adds in k order on every ISA, so a result's bits do not depend on
+// AVX2's FMA and F16C are empty, and the fallback widens through LibTorch's sgemm there. Each sum
+// is one chain of fused multiply-adds in k order on every ISA, so a result's bits do not depend on
 // the ISA, the split or the tile.
 #include <algorithm>
 

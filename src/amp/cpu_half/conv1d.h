@@ -1,7 +1,7 @@
 // 1-D convolutions of bf16/fp16 CPU tensors through apex's own half product (kernels/gemm.h):
 // each output is a product summed over the kernel's taps, the input read in place through strides
-// (no im2col), the fp32 sums rounded once. Used by the CPU half-precision route (cpu_half.cpp)
-// where the product is available; empty results mean "not taken" (the route then widens).
+// (no im2col), the fp32 sums rounded once. Used by the CPU half fallback (convolution.cpp)
+// where the product is available; empty results mean "not taken" (the fallback then widens).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -10,7 +10,7 @@
 #include <optional>
 #include <tuple>
 
-namespace apex::amp::detail {
+namespace apex::amp::cpu_half {
 
 /// Sizes of a 1-D convolution the product takes, as the non-transposed convolution: input
 /// [n, c_in, length], output [n, c_out, out_length]. A transposed one is that convolution's input
@@ -44,4 +44,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv1d_backward_rounded(
     const Conv1dShape& s, const at::Tensor& grad_output, const at::Tensor& input,
     const at::Tensor& weight, std::array<bool, 3> mask);
 
-}  // namespace apex::amp::detail
+}  // namespace apex::amp::cpu_half

@@ -1,4 +1,4 @@
-// 1-D convolutions of half CPU tensors as apex's own products (cpu_half_conv1d.h). With x the
+// 1-D convolutions of half CPU tensors as apex's own products (conv1d.h). With x the
 // (zero-padded) input, w the weight, g the output's gradient, s the stride, d the dilation and K
 // taps, per group:
 //
@@ -16,7 +16,7 @@
 // (spread, below); its own input gradient that convolution (correlate), and its weight's the same
 // sums with the roles of input and output gradient swapped (weight_sums).
 
-#include "amp/cpu_half_conv1d.h"
+#include "amp/cpu_half/conv1d.h"
 
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
@@ -30,7 +30,7 @@
 #include "bridge/bridge.h"
 #include "kernels/gemm.h"
 
-namespace apex::amp::detail {
+namespace apex::amp::cpu_half {
 namespace {
 
 const uint16_t* bits(const at::Tensor& t) {
@@ -271,4 +271,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv1d_backward_rounded(
   return {gx, gw, gb};
 }
 
-}  // namespace apex::amp::detail
+}  // namespace apex::amp::cpu_half
