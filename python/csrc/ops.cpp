@@ -1,9 +1,9 @@
-// The Python package's front door: torch custom ops (namespace apex_cpp) over the same kernel
-// layer and tensor glue the C++ library uses (src/bridge, src/kernels, the norms' ops). The
-// Python side (python/apex) adds the fake implementations, autograd and apex's classes.
-//
-// The multi-tensor ops' bodies are src/ops/multi_tensor_ops.h's, shared with the stable-ABI
-// library; AtenGlue below is what they need of at::Tensor.
+// The Python package's front door: torch custom ops (namespace apex_cpp) over the same kernels
+// and tensor glue the C++ library uses, reached through src/ops only: the multi-tensor ops' bodies
+// (ops/multi_tensor_ops.h, shared with the stable-ABI library) over ops::AtenGlue
+// (ops/aten/glue.h), the norms' and SyncBatchNorm's entry points (ops/aten/norm.h,
+// ops/aten/batch_norm.h). The Python side (python/apex) adds the fake implementations, autograd
+// and apex's classes.
 #include <ATen/TensorOperators.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -37,14 +37,12 @@
 #include <tuple>
 #include <vector>
 
-#include "bridge/bridge.h"
-#include "bridge/refs.h"
 #include "common/environment.h"
-#include "kernels/multi_tensor.h"
-#include "normalization/ops.h"
+#include "ops/aten/batch_norm.h"
+#include "ops/aten/glue.h"
+#include "ops/aten/norm.h"
 #include "ops/multi_tensor_ops.h"
 #include "ops/scalars.h"
-#include "parallel/batch_norm_ops.h"
 #include "schemas.h"
 
 namespace apex::python {
@@ -52,46 +50,6 @@ namespace {
 
 using at::Tensor;
 using TensorList = std::vector<Tensor>;
-
-// The op bodies' view of at::Tensor (ops/multi_tensor_ops.h): CPU or CUDA tensors, scalars and
-// flags on the tensors' device (no host sync).
-struct AtenGlue {
-  using Tensor = at::Tensor;
-  using In = const Tensor&;
-  using ListIn = const TensorList&;
-  using OptIn = const std::optional<Tensor>&;
-
-  static ops::TensorRef ref(const Tensor& t) { return bridge::ref(t); }
-  static ops::TensorRefs refs(const TensorList& l) { return bridge::refs(l); }
-  static Tensor float_zeros(const Tensor& like, int64_t n) {
-    return at::zeros({n}, like.options().dtype(at::kFloat));
-  }
-  static Tensor float_empty(const Tensor& like, int64_t n) {
-    return at::empty({n}, like.options().dtype(at::kFloat));
-  }
-  static Tensor float_full(const Tensor& like, double v) {
-    return at::full({1}, v, like.options().dtype(at::kFloat));
-  }
-  static Tensor as_float(const Tensor& t, const Tensor& like) {
-    return t.to(like.options().dtype(at::kFloat)).reshape({-1}).contiguous();
-  }
-  static float* floats(const Tensor& t) { return t.data_ptr<float>(); }
-  static void raise_flag(const Tensor& noop, const Tensor& flag) {
-    const Tensor merged = at::maximum(noop.reshape({1}).to(at::kFloat), flag.to(noop.device()));
-    noop.copy_(merged.reshape(noop.sizes()).to(noop.scalar_type()));
-  }
-  static void raise_flag_if_nonfinite(const Tensor& noop, const Tensor& x) {
-    raise_flag(noop, at::logical_not(at::isfinite(x.reshape({1}))).to(at::kFloat));
-  }
-  template <class Kernel, class Args>
-  static void launch(const ops::TensorRef& on, const kernels::TensorLists& lists,
-                     const Args& args) {
-    const c10::Device device(on.device_type, static_cast<c10::DeviceIndex>(on.device_index));
-    bridge::on_backend(
-        device, [&] { Kernel::cpu(lists, args); },
-        [&](void* stream) { Kernel::cuda(lists, args, stream); });
-  }
-};
 
 // Tests: the tensor form on CPU tensors too (_update_scale_hysteresis_tensor_form).
 std::atomic<bool> tensor_form_forced{false};
@@ -348,7 +306,7 @@ Tensor fused_norm_autocast(const Tensor& input, at::IntArrayRef normalized_shape
 
 // ---- batch norm (SyncBatchNorm's per-rank pieces, CPU) ------------------------------------------
 
-// The CPU kernels' wrappers the C++ SyncBatchNorm uses (parallel/batch_norm_ops.h); the
+// The CPU kernels' wrappers the C++ SyncBatchNorm uses (ops/aten/batch_norm.h); the
 // collectives run in Python (apex.parallel.SyncBatchNorm).
 Tensor batch_norm_stats(const Tensor& input) {
   return parallel::detail::batch_norm_stats(input, "batch_norm_stats");
@@ -433,7 +391,7 @@ std::string amp_level_defaults(const std::string& level, c10::ScalarType half_dt
 double bench_scale_calls(const Tensor& noop, const TensorList& x, const TensorList& y, int64_t n) {
   TORCH_CHECK(n >= 1 && n <= (int64_t{1} << 30), "bench_scale_calls: n must be in [1, 2^30]");
   const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < n; ++i) ops::multi_tensor_scale<AtenGlue>(noop, x, y, 1.0);
+  for (int64_t i = 0; i < n; ++i) ops::multi_tensor_scale<apex::ops::AtenGlue>(noop, x, y, 1.0);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
          static_cast<double>(n);
 }
@@ -471,7 +429,7 @@ TORCH_LIBRARY(apex_cpp, m) {
 }
 
 // The kernels take CPU and CUDA tensors alike (the bridge picks the backend).
-#define APEX_PY_IMPL(name, schema) m.impl(#name, &apex::ops::name<AtenGlue>);
+#define APEX_PY_IMPL(name, schema) m.impl(#name, &apex::ops::name<apex::ops::AtenGlue>);
 #define APEX_PYTHON_IMPLS(m)                                   \
   APEX_PY_MULTI_TENSOR_OPS(APEX_PY_IMPL)                       \
   m.impl("update_scale_hysteresis", &update_scale_hysteresis); \

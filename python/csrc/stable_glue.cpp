@@ -5,8 +5,6 @@
 
 #include <torch/csrc/stable/ops.h>
 
-#include "kernels/batch_norm.h"
-#include "kernels/norm.h"
 #include "ops/norm_args.h"
 
 namespace apex::python::stable {

@@ -14,9 +14,9 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/multi_tensor.h"
 #include "ops/batch_norm_ops.h"
 #include "ops/lists.h"
+#include "ops/multi_tensor_ops.h"
 #include "ops/scalars.h"
 #include "ops/tensor_ref.h"
 

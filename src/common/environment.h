@@ -7,7 +7,7 @@
 
 namespace apex::detail {
 
-/// $name as set, or nullopt when it is unset or empty: the library's one getenv.
+/// $name as set, or nullopt when it is unset or empty: the library's one read of the environment.
 std::optional<std::string> env(const char* name);
 
 /// Whether $name is set to exactly `value`.

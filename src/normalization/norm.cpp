@@ -20,7 +20,7 @@
 #include "bridge/bridge.h"
 #include "bridge/refs.h"
 #include "kernels/norm.h"
-#include "normalization/ops.h"
+#include "ops/aten/norm.h"
 #include "ops/norm_args.h"
 
 namespace apex::normalization {

@@ -1,4 +1,4 @@
-#include "parallel/batch_norm_ops.h"
+#include "ops/aten/batch_norm.h"
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty_like.h>

@@ -8,7 +8,7 @@
 
 #include <cmath>
 
-#include "parallel/batch_norm_ops.h"
+#include "ops/aten/batch_norm.h"
 
 namespace apex::parallel {
 namespace {
