@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <torch/version.h>
 #include <unistd.h>
@@ -586,6 +587,20 @@ void destroy_process_group() {
   const std::lock_guard<std::mutex> lock(default_mutex);
   default_group.destroy();
   default_group = ProcessGroup();
+}
+
+int free_loopback_port(const char* who) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  TORCH_CHECK(fd >= 0, who, ": cannot create a socket");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  ::close(fd);
+  TORCH_CHECK(ok, who, ": no free port on 127.0.0.1");
+  return ntohs(a.sin_port);
 }
 
 }  // namespace apex::parallel

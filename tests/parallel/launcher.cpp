@@ -1,6 +1,6 @@
 #include "launcher.h"
 
-#include "train/net.h"
+#include <apex/parallel/process_group.h>
 
 #include <apex/parallel/sync_batch_norm.h>
 
@@ -40,7 +40,7 @@ RegisterWorker::RegisterWorker(const std::string& name, Worker w) {
 }
 
 std::vector<RankResult> launch(const std::string& worker, const LaunchOptions& o) {
-  const int port = apex::train::free_loopback_port("apex::test::launch");
+  const int port = apex::parallel::free_loopback_port("apex::test::launch");
   std::vector<int> ranks = o.ranks;
   if (ranks.empty()) {
     for (int r = 0; r < o.world; ++r) ranks.push_back(r);

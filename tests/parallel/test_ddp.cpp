@@ -19,8 +19,6 @@
 
 #include "common/test_util.h"
 #include "launcher.h"
-#include "train/data.h"
-#include "train/models.h"
 
 namespace ap = apex::parallel;
 using apex::test::all_close;
@@ -34,8 +32,8 @@ using apex::test::tolerance_for;
 
 namespace {
 
-// The models: an MLP, a CNN with BatchNorm (SyncBatchNorm under DDP) and apex-train's
-// transformer. Each returns logits for `x`.
+// The models: an MLP, a CNN with BatchNorm (SyncBatchNorm under DDP) and a small transformer.
+// Each returns logits for `x`.
 struct Model {
   std::shared_ptr<torch::nn::Module> module;
   std::function<at::Tensor(const at::Tensor&)> forward;
@@ -62,14 +60,31 @@ at::Tensor inputs_for(const std::string& model, int64_t n, uint64_t seed) {
   return randn_seeded({n, 12}, seed);
 }
 
-std::shared_ptr<apex::train::Classifier> transformer(uint64_t seed) {
-  apex::train::ModelConfig c;
-  c.family = "transformer";
-  c.width = 16;
-  c.depth = 2;
-  c.heads = 2;
-  const auto data = apex::train::synthetic_tokens(8, 2, 8, 16, 5);
-  return apex::train::make_model(c, data.train, seed);
+// Tokens [B, 8] of a 16-word vocabulary -> 4 logits: an embedding with learned positions, two of
+// LibTorch's encoder layers (2 heads, no dropout), the mean over positions, a linear head.
+struct TinyTransformer : torch::nn::Module {
+  TinyTransformer() {
+    embed = register_module("embed", torch::nn::Embedding(16, 16));
+    pos = register_parameter("pos", torch::randn({8, 16}) * 0.02);
+    encoder = register_module(
+        "encoder",
+        torch::nn::TransformerEncoder(torch::nn::TransformerEncoderOptions(
+            torch::nn::TransformerEncoderLayerOptions(16, 2).dim_feedforward(32).dropout(0.0), 2)));
+    head = register_module("head", torch::nn::Linear(16, 4));
+  }
+  at::Tensor forward(const at::Tensor& tokens) {
+    const at::Tensor h = embed(tokens) + pos;  // [B, L, D]; LibTorch's layers take [L, B, D]
+    return head(encoder(h.transpose(0, 1)).transpose(0, 1).mean(1));
+  }
+  torch::nn::Embedding embed{nullptr};
+  at::Tensor pos;
+  torch::nn::TransformerEncoder encoder{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+
+std::shared_ptr<TinyTransformer> transformer(uint64_t seed) {
+  torch::manual_seed(seed);
+  return std::make_shared<TinyTransformer>();
 }
 
 void copy_params(torch::nn::Module& dst, const torch::nn::Module& src) {
@@ -161,7 +176,7 @@ int ddp_equivalence(int rank, int world, const std::string& arg) {
       return std::function<at::Tensor(const at::Tensor&)>(
           [s](const at::Tensor& x) { return s->forward(x); });
     }
-    auto c = std::dynamic_pointer_cast<apex::train::Classifier>(m);
+    auto c = std::dynamic_pointer_cast<TinyTransformer>(m);
     return std::function<at::Tensor(const at::Tensor&)>(
         [c](const at::Tensor& x) { return c->forward(x); });
   };

@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-#include "train/net.h"
+#include <apex/parallel/process_group.h>
 #include "train_test_util.h"
 
 namespace {
@@ -80,7 +80,7 @@ std::string rank_env(int rank, int world, int port) {
 // Two hand-launched ranks with `flags0` / `flags1`; both must refuse in one line naming `needle`.
 void expect_settings_refused(const std::string& dir, const std::string& flags0,
                              const std::string& flags1, const std::string& needle) {
-  const int port = apex::train::free_loopback_port("test");
+  const int port = apex::parallel::free_loopback_port("test");
   const std::string base = std::string(APEX_TRAIN_EXE) + kSmall + " --ddp --timeout 20 --steps 4 ";
   Child r0 = spawn(rank_env(0, 2, port) + base + flags0, dir + "/r0.log");
   Child r1 = spawn(rank_env(1, 2, port) + base + flags1, dir + "/r1.log");
@@ -118,7 +118,7 @@ TEST_F(TrainFaults, UnreachableOrSilentStoreEndsWithinTheTimeout) {
   const std::string cmd = std::string(APEX_TRAIN_EXE) + kSmall +
                           " --ddp --opt-level O1 --steps 4 --timeout " + std::to_string(timeout);
   // Nobody listens on the port.
-  const int free_port = apex::train::free_loopback_port("test");
+  const int free_port = apex::parallel::free_loopback_port("test");
   Child a = spawn(rank_env(1, 2, free_port) + cmd, path("a.log"));
   // Someone listens, accepts, and never answers.
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);

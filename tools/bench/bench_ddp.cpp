@@ -18,11 +18,11 @@
 #include <string>
 #include <vector>
 
+#include <apex/parallel/process_group.h>
 #include "bench_common.h"
 #include "train/cli.h"
 #include "train/data.h"
 #include "train/json.h"
-#include "train/net.h"
 #include "train/trainer.h"
 
 namespace apex::bench {
@@ -45,7 +45,7 @@ apex::train::Summary apex_run(const std::string& model, double bucket_mb, int wo
                               const fs::path& work, int independent = 0) {
   const fs::path out = work / ("apex-" + model + "-" + std::to_string(world) + ".json");
   const int ranks = independent > 0 ? independent : std::max(1, world);
-  const std::string port = std::to_string(apex::train::free_loopback_port("apex-bench ddp"));
+  const std::string port = std::to_string(apex::parallel::free_loopback_port("apex-bench ddp"));
   std::vector<pid_t> pids;
   std::fflush(stdout);
   for (int r = 0; r < ranks; ++r) {

@@ -20,10 +20,10 @@
 #include <string>
 #include <vector>
 
+#include <apex/parallel/process_group.h>
 #include "train/cli.h"
 #include "train/data.h"
 #include "train/json.h"
-#include "train/net.h"
 #include "train/report.h"
 #include "train/trainer.h"
 
@@ -119,7 +119,8 @@ int run_ranks(const Cli& cli) {
     const long cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
     args.insert(args.end(), {"--threads", std::to_string(std::max(1L, cores / cli.nproc))});
   }
-  const std::string port = std::to_string(apex::train::free_loopback_port("apex-train: --nproc"));
+  const std::string port =
+      std::to_string(apex::parallel::free_loopback_port("apex-train: --nproc"));
   std::fflush(stdout);
   std::fflush(stderr);
   std::vector<pid_t> pids;

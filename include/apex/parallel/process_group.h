@@ -116,4 +116,9 @@ void destroy_process_group();
 /// Whether this LibTorch build and apex-cpp can create groups of `backend` (kAuto: always).
 bool backend_available(Backend backend);
 
+/// A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, read back, closed): a
+/// MASTER_PORT for ranks this process starts on this machine (as torchrun --standalone picks one).
+/// Throws c10::Error naming `who` when no socket can be had.
+int free_loopback_port(const char* who = "apex::parallel::free_loopback_port");
+
 }  // namespace apex::parallel
