@@ -12,30 +12,18 @@ train=build/tools/apex-train
 py=${APEX_PREFIX:-/opt/apex-cpp}/venv/bin/python
 torchrun=$(dirname "$py")/torchrun
 id=$$
-A=bnA$id B=bnB$id VA=ba$id VB=bb$id
-cleanup() {
-  ip netns del "$A" 2>/dev/null || true
-  ip netns del "$B" 2>/dev/null || true
-}
-trap cleanup EXIT
+A=bnA$id B=bnB$id
+source tests/multinode/netns.sh
+trap remove_namespaces EXIT
 trap 'exit 1' INT TERM
 work=$(mktemp -d)
-ipA=10.78.$((id % 200 + 20)).1 ipB=10.78.$((id % 200 + 20)).2
-ip netns add "$A"
-ip netns add "$B"
-ip link add "$VA" type veth peer name "$VB"
-ip link set "$VA" netns "$A"
-ip link set "$VB" netns "$B"
-ip -n "$A" addr add "$ipA/24" dev "$VA"
-ip -n "$B" addr add "$ipB/24" dev "$VB"
-for nd in "$A:$VA" "$B:$VB"; do
-  ip -n "${nd%%:*}" link set lo up
-  ip -n "${nd%%:*}" link set "${nd##*:}" up
-  if [ "$rate" != none ]; then
+two_namespaces "$A" "$B" "ba$id" "bb$id" "10.78.$((id % 200 + 20))" 1500
+if [ "$rate" != none ]; then
+  for nd in "$A:$VA" "$B:$VB"; do
     ip netns exec "${nd%%:*}" tc qdisc add dev "${nd##*:}" root tbf rate "$rate" burst 256kb \
       latency 50ms
-  fi
-done
+  done
+fi
 port=$((29600 + id % 300))
 common="--no-progress --model mlp --opt-level fp32 --batch-size 64 --train-size 8192 --test-size 64
         --threads 1 --log-every $steps --seed 1"

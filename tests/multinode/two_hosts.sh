@@ -13,11 +13,11 @@ train=$1
 torchrun=$(dirname "$2")/torchrun
 py=$2
 id=$$
-A=apexA$id B=apexB$id VA=va$id VB=vb$id
+A=apexA$id B=apexB$id
+source "$(dirname "$0")/netns.sh"
 work=$(mktemp -d)
 cleanup() {
-  ip netns del "$A" 2>/dev/null || true
-  ip netns del "$B" 2>/dev/null || true
+  remove_namespaces
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -27,19 +27,7 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || fail "needs root (network namespaces)"
 command -v ip >/dev/null || fail "needs iproute2 (ip)"
 [ -x "$torchrun" ] || fail "no torchrun beside $py"
-sub=$((id % 200 + 20))
-ipA=10.77.$sub.1 ipB=10.77.$sub.2
-ip netns add "$A"
-ip netns add "$B"
-ip link add "$VA" type veth peer name "$VB"
-ip link set "$VA" netns "$A"
-ip link set "$VB" netns "$B"
-ip -n "$A" addr add "$ipA/24" dev "$VA"
-ip -n "$B" addr add "$ipB/24" dev "$VB"
-for nd in "$A:$VA" "$B:$VB"; do
-  ip -n "${nd%%:*}" link set lo up
-  ip -n "${nd%%:*}" link set "${nd##*:}" mtu 65000 up
-done
+two_namespaces "$A" "$B" "va$id" "vb$id" "10.77.$((id % 200 + 20))" 65000
 
 common="--no-progress --model mlp --opt-level fp32 --batch-size 32 --train-size 4096 --test-size 64
         --threads 1 --log-every 5 --seed 1"
