@@ -78,6 +78,26 @@ def worker(rank, world, port, kind, case, out):
             if case == "scaler" else None
         result = {}
         todo = list(enumerate(batches()))
+        if case == "remainders":
+            # The same bf16 model under two optimizers, fp32 masters and 16-bit remainders, fed
+            # the same gradients (ones that do not depend on the parameters).
+            del opt
+            m = make_model().to(torch.bfloat16)
+            other = make_model().to(torch.bfloat16)
+            opt = make_opt(kind, m.parameters(), bucket_cap_mb=1e-4, store_param_remainders=True)
+            masters = make_opt(kind, other.parameters(), bucket_cap_mb=1e-4)
+            g = torch.Generator().manual_seed(11 + rank)
+            for _ in range(STEPS):
+                grads = [torch.randn(p.shape, generator=g) for p in m.parameters()]
+                for model, o in ((m, opt), (other, masters)):
+                    sum((p.float() * d).sum() for p, d in zip(model.parameters(), grads)).backward()
+                    o.step()
+                    o.zero_grad()
+            result["masters_state"] = masters.state_dict()
+            result["masters_memory"] = masters.memory()
+            result["masters_params"] = [p.detach().clone() for p in other.parameters()]
+            del masters
+            todo = []
         if case == "first-half":
             todo = todo[:2]
         elif case == "second-half":
@@ -263,13 +283,34 @@ def test_under_torchrun_equal_to_ddp_with_adamw(tmp_path):
         torch.testing.assert_close(got["state"]["state"][i]["param"], b, rtol=1e-5, atol=1e-6)
 
 
+def test_param_remainders_keep_the_fp32_masters_bit_for_bit(tmp_path):
+    """store_param_remainders=True: bf16 parameters plus 16-bit remainders are the fp32 masters
+    (equal bit for bit to an optimizer keeping fp32 masters, fed the same gradients), each
+    parameter its master's high half rounded half up, in 10 bytes of state per element, not 12."""
+    r = run(tmp_path, "adam", "remainders")
+    got, want = r["state"]["state"], r["masters_state"]["state"]
+    for i in want:
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[i][key], want[i][key]), (i, key)
+    for i, (p, q) in enumerate(zip(r["params"], r["masters_params"])):
+        bits = got[i]["param"].reshape(-1).view(torch.int32).to(torch.int64)
+        low = bits & 0xFFFF
+        high = ((bits >> 16) + (low >= 0x8000).to(torch.int64)) & 0xFFFF
+        assert torch.equal(p.reshape(-1).view(torch.int16).to(torch.int64) & 0xFFFF, high), i
+        away = low != 0x8000  # round-half-up and round-to-nearest-even differ only at ties
+        assert torch.equal(p.reshape(-1)[away], q.reshape(-1)[away]), i
+    shard = r["memory"]["shard_elements"]
+    assert r["memory"]["state_bytes"] == 10 * shard
+    assert r["masters_memory"]["state_bytes"] == 12 * shard
+
+
 def test_bad_arguments_are_refused_before_anything():
     from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
     p = [torch.nn.Parameter(torch.ones(3))]
     with pytest.raises(RuntimeError, match="AMSGrad"):
         DistributedFusedAdam(p, amsgrad=True)
-    with pytest.raises(RuntimeError, match="store_param_remainders"):
-        DistributedFusedAdam(p, store_param_remainders=True)
+    with pytest.raises(RuntimeError, match="with_scaled_states"):
+        DistributedFusedAdam(p, with_scaled_states=True)
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="init_process_group"):
             DistributedFusedAdam(p)

@@ -104,6 +104,12 @@ DistributedFusedOptimizer::DistributedFusedOptimizer(
                 "; expected Float, Half or BFloat16");
     TORCH_CHECK(p.device() == device, kWho, ": parameters on ", device, " and ", p.device(),
                 "; all must be on one device");
+    TORCH_CHECK(!s.store_param_remainders || p.scalar_type() != at::kHalf, kWho,
+                ": store_param_remainders keeps bf16 parameters' low halves; parameter ", i,
+                " is Half (use BFloat16 parameters, or store_param_remainders(false))");
+    TORCH_CHECK(!s.store_param_remainders || p.device().is_cpu(), kWho,
+                ": store_param_remainders runs on CPU parameters only for now; parameter ", i,
+                " is on ", p.device());
     TORCH_CHECK(p.scalar_type() != at::kFloat || m.param_dtype == at::kFloat, kWho,
                 ": param_sync_dtype ", m.param_dtype,
                 " would round the fp32 parameters every step (they are their own master); use "
@@ -125,7 +131,8 @@ DistributedFusedOptimizer::DistributedFusedOptimizer(
   sig << m.params.size() << " parameters;";
   for (const auto& p : m.params) sig << ' ' << describe(p.tensor);
   sig << "; bucket_cap_mb " << s.bucket_cap_mb << ", grad_sync_dtype " << m.grad_dtype
-      << ", param_sync_dtype " << m.param_dtype;
+      << ", param_sync_dtype " << m.param_dtype << ", store_param_remainders "
+      << s.store_param_remainders;
   const auto sigs = group_.all_gather_string(sig.str());
   for (size_t r = 1; r < sigs.size(); ++r) {
     TORCH_CHECK(sigs[r] == sigs[0], kWho, ": rank ", m.rank, " of ", m.world, ": rank ", r,
@@ -198,7 +205,14 @@ at::Tensor DistributedFusedOptimizer::scaled_step(const at::Tensor& inv_scale) {
   if (!skip) {
     {
       const torch::NoGradGuard no_grad;
-      update(inv_scale.defined() ? inv_scale.to(m.grad_shard.device()) : at::Tensor());
+      m.merge_masters();
+      try {
+        update(inv_scale.defined() ? inv_scale.to(m.grad_shard.device()) : at::Tensor());
+      } catch (...) {
+        m.master = at::Tensor();  // the remainders are the state; the merged copy goes
+        throw;
+      }
+      m.split_masters();
       m.all_gather_params();
     }
   }
@@ -264,7 +278,7 @@ ShardedMemory DistributedFusedOptimizer::memory() const {
   auto bytes = [](const at::Tensor& t) {
     return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
   };
-  out.state_bytes = bytes(m.exp_avg) + bytes(m.exp_avg_sq) + bytes(m.master);
+  out.state_bytes = bytes(m.exp_avg) + bytes(m.exp_avg_sq) + bytes(m.master) + bytes(m.remainders);
   out.grad_shard_bytes = bytes(m.grad_shard);
   out.grad_buffer_bytes = bytes(m.contiguous);
   for (const auto& t : m.spare) out.cached_buffer_bytes += bytes(t);

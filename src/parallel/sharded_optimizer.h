@@ -2,9 +2,11 @@
 // shared by the base (gradients, collectives, checkpoints) and the algorithms (the update).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <apex/optim/multi_tensor.h>
 #include <apex/parallel/c10d.h>
@@ -13,6 +15,8 @@
 #include <torch/utils.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <map>
 #include <sstream>
 #include <string>
@@ -46,6 +50,37 @@ const std::vector<torch::optim::OptimizerParamGroup>& checked_groups(
     if (g.has_options()) check(static_cast<const Options&>(g.options()));
   }
   return groups;
+}
+
+// store_param_remainders: a bf16 parameter p and a 16-bit remainder r are an fp32 master m, bit for
+// bit. p is m's high half rounded half up in magnitude (it is m to bf16 within half a unit; at an
+// exact tie round-to-nearest-even may round down instead), r m's low half as a signed number,
+// negative exactly where the high half was rounded up. Both ways are exact (modulo 2^16, so even
+// the few masters that round to an infinite bf16 come back). Contiguous CPU tensors of n elements.
+inline void merge_master(const at::Tensor& p, const at::Tensor& r, const at::Tensor& m) {
+  const auto* pb = static_cast<const uint16_t*>(p.const_data_ptr());
+  const auto* rb = static_cast<const int16_t*>(r.const_data_ptr());
+  auto* mb = static_cast<uint32_t*>(m.mutable_data_ptr());
+  at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const uint32_t high = static_cast<uint16_t>(pb[i] - (rb[i] < 0 ? 1 : 0));
+      mb[i] = (high << 16) | static_cast<uint16_t>(rb[i]);
+    }
+  });
+}
+
+// The other way: m into p (bf16) and, where `r` is defined, r.
+inline void split_master(const at::Tensor& m, const at::Tensor& p, const at::Tensor& r) {
+  const auto* mb = static_cast<const uint32_t*>(m.const_data_ptr());
+  auto* pb = static_cast<uint16_t*>(p.mutable_data_ptr());
+  auto* rb = r.defined() ? static_cast<int16_t*>(r.mutable_data_ptr()) : nullptr;
+  at::parallel_for(0, m.numel(), 1 << 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const auto low = static_cast<uint16_t>(mb[i]);
+      pb[i] = static_cast<uint16_t>((mb[i] >> 16) + (low >= 0x8000 ? 1 : 0));
+      if (rb != nullptr) rb[i] = static_cast<int16_t>(low);
+    }
+  });
 }
 
 }  // namespace detail
@@ -114,8 +149,11 @@ struct DistributedFusedOptimizer::Impl {
   int64_t shard_elements = 0;                                      // L: equal on every rank
 
   at::Tensor exp_avg, exp_avg_sq, master, grad_shard;  // [L]
-  at::Tensor contiguous;                               // contiguous_grad_buffer
-  std::vector<int64_t> steps;                          // per group
+  // store_param_remainders: int16 [L] in place of `master`, which then exists only during a step
+  // (merge_masters .. split_masters).
+  at::Tensor remainders;
+  at::Tensor contiguous;       // contiguous_grad_buffer
+  std::vector<int64_t> steps;  // per group
 
   size_t next_launch = 0;
   std::vector<int64_t> in_flight;  // bucket indices, oldest first
@@ -182,7 +220,10 @@ struct DistributedFusedOptimizer::Impl {
     exp_avg = at::zeros({shard_elements}, f32);
     exp_avg_sq = at::zeros({shard_elements}, f32);
     grad_shard = at::zeros({shard_elements}, f32.dtype(grad_dtype));
-    master = any_half() ? at::zeros({shard_elements}, f32) : at::Tensor();
+    const bool remainder_bits = any_half() && settings.store_param_remainders;
+    master = any_half() && !remainder_bits ? at::zeros({shard_elements}, f32) : at::Tensor();
+    // Zero remainders: every master starts as its parameter.
+    remainders = remainder_bits ? at::zeros({shard_elements}, f32.dtype(at::kShort)) : at::Tensor();
     if (settings.contiguous_grad_buffer) {
       int64_t all = 0;
       for (const auto& b : buckets) all += b.size;
@@ -458,6 +499,29 @@ struct DistributedFusedOptimizer::Impl {
     return found;
   }
 
+  // store_param_remainders: this rank's fp32 masters for one step (the kernel rows read
+  // `master`), then back into the parameters' fragments and the remainders.
+  void merge_masters() {
+    if (!remainders.defined()) return;
+    master = at::empty({shard_elements}, grad_shard.options().dtype(at::kFloat));
+    for (const auto& sf : local) {
+      if (params[sf.param].tensor.scalar_type() != at::kBFloat16) continue;
+      detail::merge_master(flat(sf.param).narrow(0, sf.param_offset, sf.length),
+                           remainders.narrow(0, sf.local_offset, sf.length),
+                           master.narrow(0, sf.local_offset, sf.length));
+    }
+  }
+  void split_masters() {
+    if (!remainders.defined() || !master.defined()) return;
+    for (const auto& sf : local) {
+      if (params[sf.param].tensor.scalar_type() != at::kBFloat16) continue;
+      detail::split_master(master.narrow(0, sf.local_offset, sf.length),
+                           flat(sf.param).narrow(0, sf.param_offset, sf.length),
+                           remainders.narrow(0, sf.local_offset, sf.length));
+    }
+    master = at::Tensor();
+  }
+
   // The kernel rows of group `group`'s fragments on this rank, one list set per parameter dtype:
   // 0 the parameter's piece (the model's own storage), 1 its gradient, 2 exp_avg, 3 exp_avg_sq,
   // 4 the fp32 master (half parameters only); `params` names each row's parameter.
@@ -555,9 +619,14 @@ struct DistributedFusedOptimizer::Impl {
     at::Tensor out = at::zeros({shard_elements}, grad_shard.options().dtype(at::kFloat));
     for (const auto& sf : local) {
       const bool half = params[sf.param].tensor.scalar_type() != at::kFloat;
-      out.narrow(0, sf.local_offset, sf.length)
-          .copy_(half ? master.narrow(0, sf.local_offset, sf.length)
-                      : flat(sf.param).narrow(0, sf.param_offset, sf.length));
+      at::Tensor dst = out.narrow(0, sf.local_offset, sf.length);
+      if (half && remainders.defined()) {
+        detail::merge_master(flat(sf.param).narrow(0, sf.param_offset, sf.length),
+                             remainders.narrow(0, sf.local_offset, sf.length), dst);
+        continue;
+      }
+      dst.copy_(half ? master.narrow(0, sf.local_offset, sf.length)
+                     : flat(sf.param).narrow(0, sf.param_offset, sf.length));
     }
     return out;
   }
@@ -601,6 +670,22 @@ struct DistributedFusedOptimizer::Impl {
       if (master.defined() && params[sf.param].tensor.scalar_type() != at::kFloat &&
           full.param[sf.param].defined()) {
         take(full.param, master);
+      }
+      if (remainders.defined() && params[sf.param].tensor.scalar_type() == at::kBFloat16 &&
+          full.param[sf.param].defined()) {
+        const at::Tensor values =
+            full.param[sf.param].reshape({-1}).narrow(0, sf.param_offset, sf.length).contiguous();
+        detail::split_master(values, at::empty_like(values, at::kBFloat16),
+                             remainders.narrow(0, sf.local_offset, sf.length));
+      }
+    }
+    // With remainders the parameters are the masters' high halves: every rank writes all of them
+    // (not only its fragments), so that the ranks hold the same model before the next step.
+    if (remainders.defined()) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (params[i].tensor.scalar_type() != at::kBFloat16 || !full.param[i].defined()) continue;
+        detail::split_master(full.param[i].reshape({-1}).contiguous(),
+                             flat(static_cast<int64_t>(i)), at::Tensor());
       }
     }
     steps = new_steps;

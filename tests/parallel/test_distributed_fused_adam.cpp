@@ -569,6 +569,124 @@ int memory(int rank, int world, const std::string& arg) {
 }
 const RegisterWorker r_mem("dfa_memory", memory);
 
+// store_param_remainders: one bf16 model under two DistributedFusedAdams, one keeping fp32 masters
+// and one 16-bit remainders, fed the same gradients: after every step the gathered masters and
+// moments are equal bit for bit, each parameter is its master's high half rounded half up (so the
+// two models differ, by one unit, only where a master's low half is exactly 0x8000), the state
+// takes 10 bytes per shard element instead of 12; the consolidated state loads into a fresh
+// optimizer with the same masters and model; fp16 parameters are refused naming the fix.
+int remainders(int rank, int world, const std::string& /*arg*/) {
+  auto pg = join();
+  torch::manual_seed(5);
+  auto a = mlp();
+  auto b = mlp();
+  copy_params(*b, *a);
+  a->to(at::kBFloat16);
+  b->to(at::kBFloat16);
+  const auto o = ap::DistributedFusedAdamOptions(0.01).weight_decay(0.01).bucket_cap_mb(0.0003);
+  auto with_o = o;
+  with_o.store_param_remainders(true);
+  ap::DistributedFusedAdam with(a->parameters(), with_o, pg);
+  ap::DistributedFusedAdam without(b->parameters(), o, pg);
+  int bad = 0;
+  const auto ma = with.memory();
+  const auto mb = without.memory();
+  if (ma.state_bytes != 10 * ma.shard_elements || mb.state_bytes != 12 * mb.shard_elements) {
+    std::cout << "state bytes " << ma.state_bytes << " / " << mb.state_bytes << " for "
+              << ma.shard_elements << " shard elements; expected 10 and 12 per element\n";
+    ++bad;
+  }
+  const auto pa = a->parameters();
+  const auto pb = b->parameters();
+  // The parameter a master's bits give: the high half, plus one where the low half is >= 0x8000.
+  const auto high_half_up = [](const at::Tensor& master) {
+    const at::Tensor bits = master.contiguous().view(at::kInt).to(at::kLong);
+    const at::Tensor low = bits.bitwise_and(0xFFFF);
+    return std::make_pair(
+        (bits.bitwise_right_shift(16) + low.ge(0x8000).to(at::kLong)).bitwise_and(0xFFFF), low);
+  };
+  const auto bits16 = [](const at::Tensor& p) {
+    return p.detach().contiguous().view(at::kShort).to(at::kLong).bitwise_and(0xFFFF).reshape({-1});
+  };
+  int64_t ties = 0;
+  for (int step = 0; step < 6; ++step) {
+    for (int which = 0; which < 2; ++which) {
+      const auto& ps = which == 0 ? pa : pb;
+      ap::DistributedFusedAdam& opt = which == 0 ? with : without;
+      at::Tensor loss = at::zeros({}, at::kFloat);
+      for (size_t i = 0; i < ps.size(); ++i) {
+        const at::Tensor g =
+            randn_seeded(ps[i].sizes(), 300 + 10 * step + static_cast<int>(i) + 1000 * rank);
+        loss = loss + (ps[i].to(at::kFloat) * g).sum();
+      }
+      loss.backward();
+      opt.step();
+      opt.zero_grad();
+    }
+    const auto sa = with.consolidated_state_dict().at("state").toGenericDict();
+    const auto sb = without.consolidated_state_dict().at("state").toGenericDict();
+    for (const auto& kv : sa) {
+      const int64_t i = kv.key().toInt();
+      const auto da = kv.value().toGenericDict();
+      const auto db = sb.at(i).toGenericDict();
+      bad += compare(
+          {da.at("param").toTensor(), da.at("exp_avg").toTensor(), da.at("exp_avg_sq").toTensor()},
+          {db.at("param").toTensor(), db.at("exp_avg").toTensor(), db.at("exp_avg_sq").toTensor()},
+          true, at::kFloat, "step " + std::to_string(step) + ", state " + std::to_string(i));
+      const auto [want, low] = high_half_up(da.at("param").toTensor().reshape({-1}));
+      const at::Tensor got = bits16(pa[static_cast<size_t>(i)]);
+      if (!at::equal(got, want)) {
+        std::cout << "step " << step << ": parameter " << i
+                  << " is not its master's high half rounded half up\n";
+        ++bad;
+      }
+      const at::Tensor tie = low.eq(0x8000);
+      ties += tie.sum().item<int64_t>();
+      const at::Tensor other = bits16(pb[static_cast<size_t>(i)]);
+      if (!at::equal(got.masked_select(tie.logical_not()),
+                     other.masked_select(tie.logical_not()))) {
+        std::cout << "step " << step << ": parameter " << i
+                  << " differs from the fp32-master model away from ties\n";
+        ++bad;
+      }
+    }
+  }
+  // The consolidated state into a fresh model and optimizer: the same masters and model.
+  torch::manual_seed(77);
+  auto c = mlp();
+  c->to(at::kBFloat16);
+  ap::DistributedFusedAdam fresh(c->parameters(), with_o, pg);
+  fresh.load_consolidated_state_dict(with.consolidated_state_dict());
+  const auto sf = fresh.consolidated_state_dict().at("state").toGenericDict();
+  const auto sa = with.consolidated_state_dict().at("state").toGenericDict();
+  for (const auto& kv : sf) {
+    const int64_t i = kv.key().toInt();
+    bad += compare({kv.value().toGenericDict().at("param").toTensor()},
+                   {sa.at(i).toGenericDict().at("param").toTensor()}, true, at::kFloat,
+                   "loaded master " + std::to_string(i));
+  }
+  bad += compare(c->parameters(), a->parameters(), true, at::kBFloat16, "loaded model");
+  // fp16: refused before anything collective.
+  auto h = mlp();
+  h->to(at::kHalf);
+  try {
+    ap::DistributedFusedAdam refused(h->parameters(), with_o, pg);
+    std::cout << "fp16 parameters with store_param_remainders were accepted\n";
+    ++bad;
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    if (msg.find("store_param_remainders") == std::string::npos ||
+        msg.find("is Half") == std::string::npos) {
+      std::cout << "unexpected message: " << msg << "\n";
+      ++bad;
+    }
+  }
+  std::cout << "rank " << rank << " of " << world << ": 6 steps, " << ties
+            << " ties (low half 0x8000) seen\n";
+  return bad == 0 ? 0 : 1;
+}
+const RegisterWorker r_rem("dfa_remainders", remainders);
+
 // Faults: ranks with different models, a rank that dies before its step.
 int fault(int rank, int world, const std::string& arg) {
   const auto a = parse_args(arg);
@@ -793,6 +911,10 @@ TEST(DistributedFusedAdam, DamagedShardsAreRefusedNamingTheFile) {
 
 TEST(DistributedFusedAdam, StateBytesPerRankFollowTheFormula) {
   for (int w = 1; w <= 4; ++w) run("dfa_memory", w, "");
+}
+
+TEST(DistributedFusedAdam, ParamRemaindersKeepTheFp32MastersBitForBit) {
+  for (int w : {1, 2, 3}) run("dfa_remainders", w, "");
 }
 
 TEST(DistributedFusedAdam, DifferentLayoutsAreRefusedNamingTheRank) {

@@ -1,15 +1,18 @@
 // apex-bench zero: the sharded optimizer (ZeRO-2, apex::parallel::DistributedFusedAdam) against
 // DDP + FusedAdam in the same run, on a BERT-base-sized stack of linear layers (108M parameters):
-//   memory: bf16 model with fp32 masters at W = 1, 2, 4, 8 ranks; optimizer + gradient bytes per
-//   rank
-//           (exact, from the tensors) against the formula, and each rank's peak RSS;
+//   memory: bf16 model with fp32 masters at W = 1, 2, 4, 8 ranks; optimizer + gradient bytes
+//           per rank (exact, from the tensors) against the formula, and each rank's peak RSS;
+//   large:  (only with --only large) a 517M-parameter model, W = 4, ZeRO-2 with
+//           store_param_remainders, against what DDP would need and the machine's memory;
 //   speed:  fp32 at W = 2 on loopback; step time, and bytes sent per step (the loopback
 //           interface's counter, over both ranks) against the optimal (W-1)/W * 2 * model bytes;
 //           the peers, in the same run: Python's FSDP2 (reshard_after_forward=False) and DDP +
 //           ZeroRedundancyOptimizer on the same model (tools/bench/zero_peer.py).
 // Ranks are copies of this program ("apex-bench zero-rank", hidden), one thread each.
+#include <apex/amp/cpu_half.h>
 #include <apex/optim/fused_adam.h>
 #include <apex/parallel.h>
+#include <apex/parallel/process_group.h>
 #include <c10/util/Exception.h>
 #include <sys/wait.h>
 #include <torch/nn.h>
@@ -27,7 +30,6 @@
 
 #include "bench_common.h"
 #include "train/json.h"
-#include "train/net.h"
 
 namespace apex::bench {
 namespace {
@@ -40,15 +42,18 @@ constexpr int64_t kBatch = 4;
 
 // 12 blocks of (4 x 768x768 "attention" projections, 768x3072, 3072x768) and a 768x30522 head:
 // BERT-base's parameter count and shapes, without its attention math (not what is measured).
+// The large model ("--only large"): the same stack at hidden size 1792, 517M parameters, which
+// DDP cannot hold on 4 ranks of a 24 GiB machine (18 B/param each) and ZeRO-2 can.
+constexpr int64_t kLargeHidden = 1792;
 struct BertSized : torch::nn::Module {
   std::vector<torch::nn::Linear> layers;
-  BertSized() {
+  explicit BertSized(int64_t hidden = kHidden) {
     for (int64_t b = 0; b < kBlocks; ++b) {
-      for (int k = 0; k < 4; ++k) add(kHidden, kHidden);
-      add(kHidden, 4 * kHidden);
-      add(4 * kHidden, kHidden);
+      for (int k = 0; k < 4; ++k) add(hidden, hidden);
+      add(hidden, 4 * hidden);
+      add(4 * hidden, hidden);
     }
-    add(kHidden, kVocab);
+    add(hidden, kVocab);
   }
   void add(int64_t in, int64_t out) {
     std::string name = std::to_string(layers.size());
@@ -89,7 +94,7 @@ std::string read_text(const fs::path& p) {
 std::string launch(const std::string& kind, const std::string& dtype, int world, int steps,
                    const fs::path& work) {
   const fs::path out = work / (kind + "-" + dtype + "-" + std::to_string(world) + ".json");
-  const std::string port = std::to_string(apex::train::free_loopback_port("apex-bench zero"));
+  const std::string port = std::to_string(apex::parallel::free_loopback_port("apex-bench zero"));
   std::vector<pid_t> pids;
   std::fflush(stdout);
   for (int r = 0; r < world; ++r) {
@@ -125,14 +130,22 @@ double num(const std::string& line, const char* key) {
 
 int run_zero_rank(int argc, char** argv) {
   TORCH_CHECK(argc == 6, "apex-bench zero-rank: internal use (kind dtype steps out)");
-  const std::string kind = argv[2];
+  std::string kind = argv[2];
   const at::ScalarType dtype = std::string(argv[3]) == "bf16" ? at::kBFloat16 : at::kFloat;
   const int steps = std::stoi(argv[4]);
+  // "zero-large": the large model, bf16 from the start (no fp32 copy at construction), ZeRO-2
+  // with store_param_remainders.
+  const bool large = kind == "zero-large";
+  if (large) kind = "zero";
+  const int64_t hidden = large ? kLargeHidden : kHidden;
   at::set_num_threads(1);
   auto pg = apex::parallel::init_process_group(
-      apex::parallel::ProcessGroupOptions().timeout(std::chrono::minutes(5)));
+      apex::parallel::ProcessGroupOptions().timeout(std::chrono::minutes(10)));
   torch::manual_seed(0);
-  auto model = std::make_shared<BertSized>();
+  const caffe2::TypeMeta default_dtype = c10::get_default_dtype();
+  if (large) c10::set_default_dtype(caffe2::TypeMeta::fromScalarType(dtype));
+  auto model = std::make_shared<BertSized>(hidden);
+  c10::set_default_dtype(default_dtype);
   model->to(dtype);
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
@@ -148,11 +161,12 @@ int run_zero_rank(int argc, char** argv) {
         kind == "zero-native" ? apex::parallel::ReduceScatter::kNative
                               : apex::parallel::ReduceScatter::kAllToAll);
     if (dtype != at::kFloat) o.grad_sync_dtype(dtype).param_sync_dtype(dtype);
+    if (large) o.store_param_remainders(true);
     auto d = std::make_unique<apex::parallel::DistributedFusedAdam>(model->parameters(), o, pg);
     dfa = d.get();
     opt = std::move(d);
   }
-  const at::Tensor x = at::randn({kBatch, kHidden}).to(dtype);
+  const at::Tensor x = at::randn({kBatch, hidden}).to(dtype);
   std::vector<double> ms;
   int64_t tx0 = 0;
   for (int s = 0; s < steps + 1; ++s) {
@@ -160,8 +174,12 @@ int run_zero_rank(int argc, char** argv) {
     if (s == 1) tx0 = loopback_tx();
     const auto t0 = std::chrono::steady_clock::now();
     opt->zero_grad();
-    const at::Tensor y = ddp ? (*ddp)->forward(x) : model->forward(x);
-    y.to(at::kFloat).pow(2).mean().backward();
+    {
+      // bf16 products through amp's CPU half fallback (fp32 speed where LibTorch's are slow).
+      const apex::amp::CpuHalfFallbackGuard half(large);
+      const at::Tensor y = ddp ? (*ddp)->forward(x) : model->forward(x);
+      y.to(at::kFloat).pow(2).mean().backward();
+    }
     opt->step();
     ms.push_back(
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
@@ -236,6 +254,27 @@ int run_zero(const Config& cfg) {
         first = false;
       }
     }
+  }
+  if (std::find(cfg.only.begin(), cfg.only.end(), "large") != cfg.only.end()) {
+    // Only when asked (a few minutes; ~15 GiB): the model DDP cannot hold here.
+    const int w = 4;
+    const std::string r = launch("zero-large", "bf16", w, 2, work);
+    const double p = num(r, "params");
+    const double bpp = (num(r, "state_bytes") + num(r, "grad_bytes")) / p;
+    const double ram = static_cast<double>(sysconf(_SC_PHYS_PAGES)) *
+                       static_cast<double>(sysconf(_SC_PAGE_SIZE)) / 1073741824.0;
+    std::printf(
+        "\nlarge: %.0fM parameters, W = %d, bf16 weights with 16-bit remainders, bf16 sync: "
+        "ZeRO-2 %.2f B/param of state and gradients (formula 12/W = %.2f), peak %.0f MiB per "
+        "rank; DDP + FusedAdam would need %.1f GiB per rank (18 B/param with the weights), "
+        "%.1f GiB for %d ranks, on a machine of %.1f GiB\n",
+        p / 1e6, w, bpp, 12.0 / w, num(r, "peak_rss_mb"), 18.0 * p / 1073741824.0,
+        18.0 * p * w / 1073741824.0, w, ram);
+    std::fflush(stdout);
+    json << (memory ? ", " : "") << "{\"kind\": \"zero-large\", \"ranks\": " << w
+         << ", \"bytes_per_param\": " << bpp << ", \"formula\": " << 12.0 / w
+         << ", \"ddp_gib_per_rank\": " << 18.0 * p / 1073741824.0 << ", \"machine_gib\": " << ram
+         << ", \"result\": " << r.substr(0, r.find('\n')) << "}";
   }
   json << "], \"speed\": [";
   if (speed) {

@@ -50,6 +50,10 @@ enum class ReduceScatter {
   /** One full-size gradient buffer for the whole model, kept, instead of a buffer per      */  \
   /** bucket that lives only until its reduce-scatter ends.                                 */  \
   TORCH_ARG(bool, contiguous_grad_buffer) = false;                                              \
+  /** bf16 parameters: keep 16-bit remainders instead of fp32 masters (the parameter is the  */ \
+  /** master's high half, rounded half up; the remainder its low half): 2 bytes per element */  \
+  /** of the shard instead of 4, the same fp32 master bit for bit. CPU parameters only.     */  \
+  TORCH_ARG(bool, store_param_remainders) = false;                                              \
   TORCH_ARG(ReduceScatter, reduce_scatter) = ReduceScatter::kAuto;
 // NOLINTEND(cppcoreguidelines-macro-usage)
 
@@ -64,20 +68,23 @@ struct ShardingSettings {
   bool average_grad_sync = true;
   bool contiguous_grad_buffer = false;
   ReduceScatter reduce_scatter = ReduceScatter::kAuto;
+  bool store_param_remainders = false;
 
   template <class Options>
   static ShardingSettings of(const Options& o) {
-    return {o.bucket_cap_mb(),     o.pipeline_size(),          o.dtype(),
-            o.grad_sync_dtype(),   o.param_sync_dtype(),       o.overlap_grad_sync(),
-            o.average_grad_sync(), o.contiguous_grad_buffer(), o.reduce_scatter()};
+    return {o.bucket_cap_mb(),         o.pipeline_size(),          o.dtype(),
+            o.grad_sync_dtype(),       o.param_sync_dtype(),       o.overlap_grad_sync(),
+            o.average_grad_sync(),     o.contiguous_grad_buffer(), o.reduce_scatter(),
+            o.store_param_remainders()};
   }
 };
 
 /// Bytes one rank holds for a sharded optimizer (DistributedFusedOptimizer::memory).
 struct ShardedMemory {
-  int64_t params = 0;             ///< elements of the model's parameters (all ranks have all)
-  int64_t shard_elements = 0;     ///< elements of this rank's shard, padding included
-  int64_t state_bytes = 0;        ///< exp_avg + exp_avg_sq + fp32 master of this rank's shard
+  int64_t params = 0;          ///< elements of the model's parameters (all ranks have all)
+  int64_t shard_elements = 0;  ///< elements of this rank's shard, padding included
+  /// exp_avg + exp_avg_sq + the fp32 master (or the 16-bit remainders) of this rank's shard
+  int64_t state_bytes = 0;
   int64_t grad_shard_bytes = 0;   ///< the reduced gradients of this rank's shard
   int64_t grad_buffer_bytes = 0;  ///< full-size bucket buffers alive now
   /// Transient buffers kept for the next step (bucket-sized; reused instead of reallocated).
@@ -92,9 +99,11 @@ struct ShardedMemory {
 /// the gradients (the state moves with it, once), so that buckets fill one after the other.
 /// Gradients leave `p.grad` as soon as autograd accumulates them (a hook copies them into their
 /// bucket), so `p.grad` stays undefined: use grad_norm() and clip_grad_norm() here, not on the
-/// parameters. fp16/bf16 parameters get an fp32 master in the shard; fp32 parameters are updated in
-/// place. Every rank must construct it with the same parameters (shapes and dtypes are compared),
-/// and the layout is fixed then (add_param_group afterwards is not supported).
+/// parameters. fp16/bf16 parameters get an fp32 master in the shard (bf16 ones, with
+/// store_param_remainders, a 16-bit remainder that makes the parameter its master); fp32
+/// parameters are updated in place. Every rank must construct it with the same parameters (shapes
+/// and dtypes are compared), and the layout is fixed then (add_param_group afterwards is not
+/// supported).
 class DistributedFusedOptimizer : public torch::optim::Optimizer, public optim::ScaledGradients {
  public:
   ~DistributedFusedOptimizer() override;

@@ -32,7 +32,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, who, params, defaults, *, dtype, grad_sync_dtype, param_sync_dtype,
                  device, process_group, distributed_process_group, redundant_process_group,
                  average_grad_sync, overlap_grad_sync, bucket_cap_mb, pipeline_size,
-                 contiguous_grad_buffer, reduce_scatter, timeout, unsupported):
+                 contiguous_grad_buffer, reduce_scatter, timeout, unsupported,
+                 store_param_remainders=False):
         if STABLE:
             raise RuntimeError(f"{who} is in the regular op library, not in the stable-ABI one "
                                f"that serves torch {torch.__version__}; {_REINSTALL}")
@@ -61,7 +62,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         numbers = dict(bucket_cap_mb=float(bucket_cap_mb), pipeline_size=float(pipeline_size),
                        overlap_grad_sync=float(bool(overlap_grad_sync)),
                        average_grad_sync=float(bool(average_grad_sync)),
-                       contiguous_grad_buffer=float(bool(contiguous_grad_buffer)))
+                       contiguous_grad_buffer=float(bool(contiguous_grad_buffer)),
+                       store_param_remainders=float(bool(store_param_remainders)))
         names = dict(dtype="float32",
                      grad_sync_dtype=_dtype_name(who, "grad_sync_dtype", grad_sync_dtype),
                      param_sync_dtype=_dtype_name(who, "param_sync_dtype", param_sync_dtype),

@@ -9,9 +9,10 @@ class DistributedFusedAdam(ShardedOptimizer):
     """apex's DistributedFusedAdam: the same constructor, param_groups, ``step(grad_scaler=)``,
     ``unscale_grads``, ``clip_grad_norm``, ``no_sync`` and ``state_dict()`` format 2.
 
-    ``device`` defaults to the parameters' device (apex: "cuda"). Not supported (a clear error):
-    amsgrad, store_param_remainders, redundant_process_group, with_scaled_states, nccl_ub,
-    capturable, contiguous_param_buffer. overlap_param_sync is accepted; parameters are
+    ``device`` defaults to the parameters' device (apex: "cuda"). ``store_param_remainders``
+    (bf16 CPU parameters): 16-bit remainders instead of fp32 masters. Not supported (a clear
+    error): amsgrad, redundant_process_group, with_scaled_states, nccl_ub, capturable,
+    contiguous_param_buffer. overlap_param_sync is accepted; parameters are
     all-gathered at the end of step()."""
 
     _KIND = "adam"
@@ -38,8 +39,8 @@ class DistributedFusedAdam(ShardedOptimizer):
             overlap_grad_sync=overlap_grad_sync, bucket_cap_mb=bucket_cap_mb,
             pipeline_size=pipeline_size, contiguous_grad_buffer=contiguous_grad_buffer,
             reduce_scatter=reduce_scatter, timeout=timeout,
-            unsupported=[("store_param_remainders", store_param_remainders, False),
-                         ("with_scaled_states", with_scaled_states, False),
+            store_param_remainders=store_param_remainders,
+            unsupported=[("with_scaled_states", with_scaled_states, False),
                          ("nccl_ub", nccl_ub, False), ("capturable", capturable, False),
                          ("contiguous_param_buffer", contiguous_param_buffer, False),
                          ("store_params", store_params, True)])
