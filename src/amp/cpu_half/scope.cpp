@@ -25,20 +25,28 @@ bool serves_attention_any() {
   return serves_attention(at::kBFloat16) || serves_attention(at::kHalf);
 }
 
-// A library of kernels for aten's ops, registered with the dispatcher's "Overriding a previously
-// registered kernel" warning dropped (quiet_registration.h). It lives as long as the process.
-torch::Library* library(c10::DispatchKey key, const char* file, uint32_t line) {
-  return new torch::Library(torch::Library::IMPL, "aten", key, file, line);
+// A library of kernels for aten's ops. It lives as long as the process.
+torch::Library* library(c10::DispatchKey key) {
+  return new torch::Library(torch::Library::IMPL, "aten", key, __FILE__, __LINE__);
+}
+
+// `add` run once per `once`, with the dispatcher's "Overriding a previously registered kernel"
+// warning dropped (quiet_registration.h).
+template <class Add>
+void register_once(std::once_flag& once, const Add& add) {
+  std::call_once(once, [&] {
+    detail::QuietRegistration quiet;
+    const c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+    add();
+  });
 }
 
 // Products, convolution, activations and recurrent layers: where the policy serves a dtype.
 void register_computed_ops() {
   static std::once_flag once;
-  std::call_once(once, [] {
-    detail::QuietRegistration quiet;
-    const c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-    static torch::Library* cpu = library(c10::DispatchKey::CPU, __FILE__, __LINE__);
-    static torch::Library* autograd = library(c10::DispatchKey::AutogradCPU, __FILE__, __LINE__);
+  register_once(once, [] {
+    static torch::Library* cpu = library(c10::DispatchKey::CPU);
+    static torch::Library* autograd = library(c10::DispatchKey::AutogradCPU);
     register_products(*cpu);
     register_convolution(*cpu);
     register_activations(*cpu);
@@ -50,10 +58,8 @@ void register_computed_ops() {
 // nothing else is registered.
 void register_attention_ops() {
   static std::once_flag once;
-  std::call_once(once, [] {
-    detail::QuietRegistration quiet;
-    const c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-    static torch::Library* cpu = library(c10::DispatchKey::CPU, __FILE__, __LINE__);
+  register_once(once, [] {
+    static torch::Library* cpu = library(c10::DispatchKey::CPU);
     register_attention(*cpu);
   });
 }
