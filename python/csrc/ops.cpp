@@ -19,6 +19,7 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <apex/amp/cpu_half.h>
+#include <apex/amp/cpu_half_testing.h>
 #include <apex/amp/options.h>
 #include <apex/optim/multi_tensor.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <apex/amp/cpu_half.h>
+#include <apex/amp/cpu_half_testing.h>
 #include <apex/amp/initialize.h>
 
 #include "../common/test_util.h"

@@ -4,6 +4,7 @@
 #include <ATen/ops/mm_cpu_dispatch.h>
 #include <apex/amp/autocast.h>
 #include <apex/amp/cpu_half.h>
+#include <apex/amp/cpu_half_testing.h>
 #include <apex/amp/utils.h>
 
 #include <functional>

@@ -7,6 +7,7 @@
 #include <ATen/ops/gelu_cpu_dispatch.h>
 #include <ATen/ops/silu_cpu_dispatch.h>
 #include <apex/amp/cpu_half.h>
+#include <apex/amp/cpu_half_testing.h>
 #include <apex/amp/utils.h>
 
 #include <cmath>

@@ -1,6 +1,7 @@
 // What the CPU half fallback serves in this process: one decision from the CPU's features
 // (cpu_support.cpp) and the environment, read once; tests may force another.
 #include <apex/amp/cpu_half.h>
+#include <apex/amp/cpu_half_testing.h>
 #include <apex/amp/utils.h>
 #include <c10/util/Exception.h>
 

@@ -3,6 +3,7 @@
 // enables. Once in, a kernel checks the thread's depth itself and hands every call outside a scope
 // (or one it does not take) to the kernel LibTorch had.
 #include <apex/amp/cpu_half.h>
+#include <apex/amp/cpu_half_testing.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
