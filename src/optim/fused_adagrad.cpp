@@ -89,12 +89,10 @@ void FusedAdagrad::fused_step(const GradScaling& scaling) {
   for (const auto& entries : groups) {
     if (!entries.empty() && found_inf_on_host(scaling.found_inf)) return;
   }
-  for (size_t gi = 0; gi < groups.size(); ++gi) {
-    if (groups[gi].empty()) continue;
-    const FusedAdagradOptions& o = options_of(param_groups_[gi]);
-    const c10::Device device = groups[gi].front().param.device();
-    const at::Tensor inv = on(scaling.inv_scale, device);
-    for (const auto& bucket : buckets(groups[gi])) {
+  for_each_group(groups, scaling, [&](const Group& g) {
+    const FusedAdagradOptions& o = options_of(param_groups_[g.index]);
+    const c10::Device device = g.device;
+    for (const auto& bucket : buckets(g.entries)) {
       const bool master = o.master_weights() && bucket.front().param.scalar_type() != at::kFloat;
       // The decayed lr depends on each parameter's step: one call per step value.
       std::map<int64_t, std::vector<Entry>> by_step;
@@ -119,13 +117,13 @@ void FusedAdagrad::fused_step(const GradScaling& scaling) {
         args.eps = static_cast<float>(o.eps());
         args.weight_decay = static_cast<float>(o.weight_decay());
         args.adagrad_w_mode = o.adagrad_w_mode();
-        args.amp.inv_scale = bridge::scalar_ptr(inv, device, kWho, "inv_scale");
-        args.amp.unscale_grads = scaling.unscale_grads;
+        // The step was skipped on the host already: no found_inf for the kernel.
+        args.amp = detail::amp_args(device, g.inv_scale, scaling.unscale_grads, at::Tensor(), kWho);
         const auto view = lists.view();
         bridge::launch(device, kernels::cpu::adagrad, kernels::cuda::adagrad, view, args);
       }
     }
-  }
+  });
 }
 
 void FusedAdagrad::save(torch::serialize::OutputArchive& archive) const {

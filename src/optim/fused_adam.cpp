@@ -113,15 +113,10 @@ int64_t FusedAdam::step_count(size_t group) const {
 
 void FusedAdam::fused_step(const GradScaling& scaling) {
   check_options();
-  const auto groups = collect(kWho);
-  for (size_t gi = 0; gi < groups.size(); ++gi) {
-    const auto& entries = groups[gi];
-    if (entries.empty()) continue;
+  for_each_group(collect(kWho), scaling, [&](const Group& g) {
+    const size_t gi = g.index;
+    const c10::Device device = g.device;
     const FusedAdamOptions& o = options_of(param_groups_[gi]);
-    const c10::Device device = entries.front().param.device();
-    const at::Tensor inv = on(scaling.inv_scale, device);
-    const at::Tensor found = on(scaling.found_inf, device);
-
     at::Tensor& step = step_tensor(gi, device);
     step.add_(1);
     kernels::AdamArgs args = detail::adam_args(o);
@@ -141,11 +136,8 @@ void FusedAdam::fused_step(const GradScaling& scaling) {
       }
       args.lr_ptr = lr.data_ptr<float>();
     }
-    args.amp.inv_scale = bridge::scalar_ptr(inv, device, kWho, "inv_scale");
-    args.amp.unscale_grads = scaling.unscale_grads;
-    args.amp.found_inf = bridge::scalar_ptr(found, device, kWho, "found_inf");
-
-    for (const auto& bucket : buckets(entries)) {
+    args.amp = detail::amp_args(device, g.inv_scale, scaling.unscale_grads, g.found_inf, kWho);
+    for (const auto& bucket : buckets(g.entries)) {
       const bool master = o.master_weights() && bucket.front().param.scalar_type() != at::kFloat;
       bridge::ListBuilder lists(5);
       for (const auto& e : bucket) {
@@ -165,8 +157,8 @@ void FusedAdam::fused_step(const GradScaling& scaling) {
       bridge::launch(device, kernels::cpu::adam, kernels::cuda::adam, view, args);
     }
     // A skipped step does not count (found_inf may hold a sum of per-device flags).
-    if (found.defined()) step.sub_(at::clamp_max(found, 1.0));
-  }
+    if (g.found_inf.defined()) step.sub_(at::clamp_max(g.found_inf, 1.0));
+  });
 }
 
 void FusedAdam::sync_steps_to_state() const {

@@ -114,18 +114,16 @@ void FusedLAMB::fused_step(const GradScaling& scaling) {
   for (auto& s : squares) s = s.to(first_device);
   const at::Tensor global_norm = at::stack(squares).sum().sqrt().reshape({1});
 
-  for (size_t gi = 0; gi < groups.size(); ++gi) {
-    if (groups[gi].empty()) continue;
-    const FusedLAMBOptions& o = options_of(param_groups_[gi]);
-    const c10::Device device = groups[gi].front().param.device();
-    const at::Tensor inv = on(scaling.inv_scale, device);
+  for_each_group(groups, scaling, [&](const Group& g) {
+    const FusedLAMBOptions& o = options_of(param_groups_[g.index]);
+    const c10::Device device = g.device;
     const at::Tensor gnorm = on(global_norm, device);
-    const int64_t step = next_group_step<FusedLAMBParamState>(groups[gi]);
+    const int64_t step = next_group_step<FusedLAMBParamState>(g.entries);
     kernels::LambArgs args = detail::lamb_args(o, step);
     args.global_grad_norm = gnorm.data_ptr<float>();
-    args.amp.inv_scale = bridge::scalar_ptr(inv, device, kWho, "inv_scale");
-    args.amp.unscale_grads = scaling.unscale_grads;
-    for (const auto& bucket : buckets(groups[gi])) {
+    // The step was skipped on the host already: no found_inf for the kernel.
+    args.amp = detail::amp_args(device, g.inv_scale, scaling.unscale_grads, at::Tensor(), kWho);
+    for (const auto& bucket : buckets(g.entries)) {
       const bool master = o.master_weights() && bucket.front().param.scalar_type() != at::kFloat;
       bridge::ListBuilder lists(5);
       for (const auto& e : bucket) {
@@ -149,7 +147,7 @@ void FusedLAMB::fused_step(const GradScaling& scaling) {
       bridge::launch(device, kernels::cpu::lamb_stage1, kernels::cuda::lamb_stage1, view, args);
       bridge::launch(device, kernels::cpu::lamb_stage2, kernels::cuda::lamb_stage2, view, args);
     }
-  }
+  });
 }
 
 void FusedLAMB::save(torch::serialize::OutputArchive& archive) const {

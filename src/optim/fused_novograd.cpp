@@ -99,15 +99,14 @@ void FusedNovoGrad::fused_step(const GradScaling& scaling) {
   bool any = false;
   for (const auto& entries : groups) any = any || !entries.empty();
   if (!any || found_inf_on_host(scaling.found_inf)) return;
-  for (size_t gi = 0; gi < groups.size(); ++gi) {
-    if (groups[gi].empty()) continue;
-    const FusedNovoGradOptions& o = options_of(param_groups_[gi]);
-    const c10::Device device = groups[gi].front().param.device();
-    const at::Tensor inv = on(scaling.inv_scale, device);
-    const int64_t step = next_group_step<FusedNovoGradParamState>(groups[gi]);
+  for_each_group(groups, scaling, [&](const Group& g) {
+    const FusedNovoGradOptions& o = options_of(param_groups_[g.index]);
+    const c10::Device device = g.device;
+    const at::Tensor& inv = g.inv_scale;
+    const int64_t step = next_group_step<FusedNovoGradParamState>(g.entries);
     const auto [b1, b2] = o.betas();
     const bool l2 = o.norm_type() == NovoGradNorm::kL2;
-    for (const auto& bucket : buckets(groups[gi])) {
+    for (const auto& bucket : buckets(g.entries)) {
       const bool master = o.master_weights() && bucket.front().param.scalar_type() != at::kFloat;
       std::vector<at::Tensor> grads;
       for (const auto& e : bucket) grads.push_back(e.grad);
@@ -147,8 +146,8 @@ void FusedNovoGrad::fused_step(const GradScaling& scaling) {
           static_cast<float>(std::sqrt(kernels::bias_correction(b2, step, o.bias_correction())));
       args.reg_inside_moment = o.reg_inside_moment();
       args.v = v.data_ptr<float>();
-      args.amp.inv_scale = bridge::scalar_ptr(inv, device, kWho, "inv_scale");
-      args.amp.unscale_grads = scaling.unscale_grads;
+      // The step was skipped on the host already: no found_inf for the kernel.
+      args.amp = detail::amp_args(device, inv, scaling.unscale_grads, at::Tensor(), kWho);
       const auto view = lists.view();
       bridge::launch(device, kernels::cpu::novograd, kernels::cuda::novograd, view, args);
       for (size_t i = 0; i < bucket.size(); ++i) {
@@ -158,7 +157,7 @@ void FusedNovoGrad::fused_step(const GradScaling& scaling) {
         s.exp_avg_sq(v[static_cast<int64_t>(i)].clone());
       }
     }
-  }
+  });
 }
 
 void FusedNovoGrad::save(torch::serialize::OutputArchive& archive) const {

@@ -81,15 +81,12 @@ bool FusedSGD::set_grad_none() const {
 
 void FusedSGD::fused_step(const GradScaling& scaling) {
   check_options();
-  const auto groups = collect(kWho);
-  for (size_t gi = 0; gi < groups.size(); ++gi) {
-    if (groups[gi].empty()) continue;
-    const FusedSGDOptions& o = options_of(param_groups_[gi]);
-    const c10::Device device = groups[gi].front().param.device();
-    const at::Tensor inv = on(scaling.inv_scale, device);
-    const at::Tensor found = on(scaling.found_inf, device);
+  for_each_group(collect(kWho), scaling, [&](const Group& g) {
+    const FusedSGDOptions& o = options_of(param_groups_[g.index]);
+    const c10::Device device = g.device;
+    const at::Tensor& found = g.found_inf;
     const bool with_momentum = o.momentum() != 0;
-    for (const auto& bucket : buckets(groups[gi])) {
+    for (const auto& bucket : buckets(g.entries)) {
       const bool master = o.master_weights() && bucket.front().param.scalar_type() != at::kFloat;
       // Parameters whose momentum buffer is not seeded yet form their own call (first_run).
       std::vector<Entry> fresh;
@@ -121,9 +118,7 @@ void FusedSGD::fused_step(const GradScaling& scaling) {
         args.nesterov = o.nesterov();
         args.wd_after_momentum = o.wd_after_momentum();
         args.first_run = first && with_momentum;
-        args.amp.inv_scale = bridge::scalar_ptr(inv, device, kWho, "inv_scale");
-        args.amp.unscale_grads = scaling.unscale_grads;
-        args.amp.found_inf = bridge::scalar_ptr(found, device, kWho, "found_inf");
+        args.amp = detail::amp_args(device, g.inv_scale, scaling.unscale_grads, found, kWho);
         const auto view = lists.view();
         bridge::launch(device, kernels::cpu::sgd, kernels::cuda::sgd, view, args);
         // A skipped step changed nothing (but unscaled the gradients when asked); the buffers
@@ -133,7 +128,7 @@ void FusedSGD::fused_step(const GradScaling& scaling) {
         }
       }
     }
-  }
+  });
 }
 
 void FusedSGD::save(torch::serialize::OutputArchive& archive) const {

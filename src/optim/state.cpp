@@ -4,7 +4,18 @@
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 
+#include "bridge/bridge.h"
+
 namespace apex::optim::detail {
+
+kernels::AmpArgs amp_args(c10::Device device, const at::Tensor& inv_scale, bool unscale_grads,
+                          const at::Tensor& found_inf, const char* who) {
+  kernels::AmpArgs a;
+  a.inv_scale = bridge::scalar_ptr(inv_scale, device, who, "inv_scale");
+  a.unscale_grads = unscale_grads;
+  a.found_inf = bridge::scalar_ptr(found_inf, device, who, "found_inf");
+  return a;
+}
 
 void check_non_negative(const char* who, const char* name, double value) {
   TORCH_CHECK(value >= 0, who, ": ", name, " must be >= 0, got ", value);

@@ -26,6 +26,11 @@ void check_adam_style(const char* who, const Options& o) {
   check_non_negative(who, "weight_decay", o.weight_decay());
 }
 
+/// The kernels' loss-scaling arguments on `device`: the inverse scale, whether to unscale the
+/// gradients in place, and the found-inf flag (undefined tensors: none). Errors name `who`.
+kernels::AmpArgs amp_args(c10::Device device, const at::Tensor& inv_scale, bool unscale_grads,
+                          const at::Tensor& found_inf, const char* who);
+
 /// fp32 zeros with `param`'s shape, device and strides (optimizer state).
 at::Tensor zeros_state(const at::Tensor& param);
 /// `t` as fp32 with `param`'s device and strides; `t` itself when it already is.

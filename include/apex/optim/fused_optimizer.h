@@ -130,6 +130,28 @@ class FusedOptimizer : public torch::optim::Optimizer {
   /// Reads a found-inf flag on the host (one synchronization): true when it is set.
   static bool found_inf_on_host(const at::Tensor& found_inf);
 
+  /// One group's share of a fused step: its index, parameters with gradients, their device, and
+  /// the step's scaling tensors there (undefined where not scaling).
+  struct Group {
+    size_t index;
+    const std::vector<Entry>& entries;
+    c10::Device device;
+    at::Tensor inv_scale;
+    at::Tensor found_inf;
+  };
+  /// The fused step's skeleton, written once: `body(group)` for every group of `groups`
+  /// (collect()'s, in order) that has parameters.
+  template <class Body>
+  static void for_each_group(const std::vector<std::vector<Entry>>& groups,
+                             const GradScaling& scaling, const Body& body) {
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      if (groups[gi].empty()) continue;
+      const c10::Device device = groups[gi].front().param.device();
+      body(Group{gi, groups[gi], device, on(scaling.inv_scale, device),
+                 on(scaling.found_inf, device)});
+    }
+  }
+
   /// The step a group's update is about to make, for optimizers that keep apex's one counter per
   /// group in their parameters' states: one past the largest step found there.
   template <class State>
