@@ -151,8 +151,7 @@ DistributedFusedOptimizer::DistributedFusedOptimizer(
   m.build_layout(s.bucket_cap_mb);
   if (m.master.defined()) {
     for (const auto& sf : m.local) {
-      m.master.narrow(0, sf.local_offset, sf.length)
-          .copy_(m.flat(sf.param).narrow(0, sf.param_offset, sf.length));
+      m.master.narrow(0, sf.local_offset, sf.length).copy_(m.piece(sf));
     }
   }
   for (size_t i = 0; i < m.params.size(); ++i) {

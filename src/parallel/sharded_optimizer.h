@@ -6,7 +6,6 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <apex/optim/multi_tensor.h>
 #include <apex/parallel/c10d.h>
@@ -69,15 +68,15 @@ inline void merge_master(const at::Tensor& p, const at::Tensor& r, const at::Ten
   });
 }
 
-// The other way: m into p (bf16) and, where `r` is defined, r.
+// The other way: m into p (bf16) and r, each where defined.
 inline void split_master(const at::Tensor& m, const at::Tensor& p, const at::Tensor& r) {
   const auto* mb = static_cast<const uint32_t*>(m.const_data_ptr());
-  auto* pb = static_cast<uint16_t*>(p.mutable_data_ptr());
+  auto* pb = p.defined() ? static_cast<uint16_t*>(p.mutable_data_ptr()) : nullptr;
   auto* rb = r.defined() ? static_cast<int16_t*>(r.mutable_data_ptr()) : nullptr;
   at::parallel_for(0, m.numel(), 1 << 16, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const auto low = static_cast<uint16_t>(mb[i]);
-      pb[i] = static_cast<uint16_t>((mb[i] >> 16) + (low >= 0x8000 ? 1 : 0));
+      if (pb != nullptr) pb[i] = static_cast<uint16_t>((mb[i] >> 16) + (low >= 0x8000 ? 1 : 0));
       if (rb != nullptr) rb[i] = static_cast<int16_t>(low);
     }
   });
@@ -295,6 +294,10 @@ struct DistributedFusedOptimizer::Impl {
   }
 
   at::Tensor flat(int64_t param) const { return params[param].tensor.view({-1}); }
+  // A shard fragment's piece of its parameter (contiguous: the parameters are).
+  at::Tensor piece(const ShardFragment& sf) const {
+    return flat(sf.param).narrow(0, sf.param_offset, sf.length);
+  }
 
   bool any_half() const {
     return std::any_of(params.begin(), params.end(),
@@ -506,8 +509,7 @@ struct DistributedFusedOptimizer::Impl {
     master = at::empty({shard_elements}, grad_shard.options().dtype(at::kFloat));
     for (const auto& sf : local) {
       if (params[sf.param].tensor.scalar_type() != at::kBFloat16) continue;
-      detail::merge_master(flat(sf.param).narrow(0, sf.param_offset, sf.length),
-                           remainders.narrow(0, sf.local_offset, sf.length),
+      detail::merge_master(piece(sf), remainders.narrow(0, sf.local_offset, sf.length),
                            master.narrow(0, sf.local_offset, sf.length));
     }
   }
@@ -515,8 +517,7 @@ struct DistributedFusedOptimizer::Impl {
     if (!remainders.defined() || !master.defined()) return;
     for (const auto& sf : local) {
       if (params[sf.param].tensor.scalar_type() != at::kBFloat16) continue;
-      detail::split_master(master.narrow(0, sf.local_offset, sf.length),
-                           flat(sf.param).narrow(0, sf.param_offset, sf.length),
+      detail::split_master(master.narrow(0, sf.local_offset, sf.length), piece(sf),
                            remainders.narrow(0, sf.local_offset, sf.length));
     }
     master = at::Tensor();
@@ -537,8 +538,7 @@ struct DistributedFusedOptimizer::Impl {
       const at::ScalarType dt = p.tensor.scalar_type();
       Rows& r = rows[dt];
       const bool half = dt != at::kFloat && master.defined();
-      r.lists.add({flat(sf.param).narrow(0, sf.param_offset, sf.length),
-                   grad_shard.narrow(0, sf.local_offset, sf.length),
+      r.lists.add({piece(sf), grad_shard.narrow(0, sf.local_offset, sf.length),
                    exp_avg.narrow(0, sf.local_offset, sf.length),
                    exp_avg_sq.narrow(0, sf.local_offset, sf.length),
                    half ? master.narrow(0, sf.local_offset, sf.length) : at::Tensor()});
@@ -562,10 +562,6 @@ struct DistributedFusedOptimizer::Impl {
     std::vector<std::vector<c10::intrusive_ptr<c10d::Work>>> works(buckets.size());
     std::vector<char> direct(buckets.size(), 0);
     size_t done = 0;
-    // A fragment's piece of its parameter (contiguous: the parameters are).
-    const auto piece = [&](const ShardFragment& sf) {
-      return flat(sf.param).narrow(0, sf.param_offset, sf.length);
-    };
     auto unpack = [&](size_t bi) {
       for (auto& w : works[bi]) wait(w, "parameter all-gather", static_cast<int64_t>(bi));
       works[bi].clear();
@@ -580,9 +576,7 @@ struct DistributedFusedOptimizer::Impl {
         for (const auto& sf : by_bucket[bi][r]) {
           const at::ScalarType dt = params[sf.param].tensor.scalar_type();
           if (r == rank && (dt == param_dtype || param_dtype == at::kFloat)) continue;
-          flat(sf.param)
-              .narrow(0, sf.param_offset, sf.length)
-              .copy_(src.narrow(0, sf.shard_offset, sf.length));
+          piece(sf).copy_(src.narrow(0, sf.shard_offset, sf.length));
         }
       }
       give(std::move(bufs[bi].first));
@@ -663,12 +657,10 @@ struct DistributedFusedOptimizer::Impl {
       const bool half = params[sf.param].tensor.scalar_type() != at::kFloat;
       at::Tensor dst = out.narrow(0, sf.local_offset, sf.length);
       if (half && remainders.defined()) {
-        detail::merge_master(flat(sf.param).narrow(0, sf.param_offset, sf.length),
-                             remainders.narrow(0, sf.local_offset, sf.length), dst);
+        detail::merge_master(piece(sf), remainders.narrow(0, sf.local_offset, sf.length), dst);
         continue;
       }
-      dst.copy_(half ? master.narrow(0, sf.local_offset, sf.length)
-                     : flat(sf.param).narrow(0, sf.param_offset, sf.length));
+      dst.copy_(half ? master.narrow(0, sf.local_offset, sf.length) : piece(sf));
     }
     return out;
   }
@@ -717,7 +709,7 @@ struct DistributedFusedOptimizer::Impl {
           full.param[sf.param].defined()) {
         const at::Tensor values =
             full.param[sf.param].reshape({-1}).narrow(0, sf.param_offset, sf.length).contiguous();
-        detail::split_master(values, at::empty_like(values, at::kBFloat16),
+        detail::split_master(values, at::Tensor(),
                              remainders.narrow(0, sf.local_offset, sf.length));
       }
     }
