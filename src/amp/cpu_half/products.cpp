@@ -247,6 +247,7 @@ struct Tensors {
 };
 template <typename... A>
 Tensors tensors_of(const A&... a) {
+  static_assert((0 + ... + int{std::is_same_v<A, at::Tensor>}) <= 5, "Tensors holds five");
   Tensors t;
   (t.add(a), ...);
   return t;

@@ -21,11 +21,6 @@ constinit thread_local uint64_t own_product_calls = 0;
 
 namespace {
 
-bool serves_any() { return serves(at::kBFloat16) || serves(at::kHalf); }
-bool serves_attention_any() {
-  return serves_attention(at::kBFloat16) || serves_attention(at::kHalf);
-}
-
 // A library of kernels for aten's ops. It lives as long as the process.
 torch::Library* library(c10::DispatchKey key) {
   return new torch::Library(torch::Library::IMPL, "aten", key, __FILE__, __LINE__);
@@ -67,8 +62,8 @@ void register_attention_ops() {
 
 // What the policy enables, in the dispatcher.
 void register_what_is_served() {
-  if (serves_any()) register_computed_ops();
-  if (serves_any() || serves_attention_any()) register_attention_ops();
+  if (cpu_half_fallback_available()) register_computed_ops();
+  if (cpu_half_scope_available()) register_attention_ops();
 }
 
 }  // namespace
