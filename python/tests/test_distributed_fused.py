@@ -98,6 +98,11 @@ def worker(rank, world, port, kind, case, out):
             result["masters_params"] = [p.detach().clone() for p in other.parameters()]
             del masters
             todo = []
+        if case == "pieces":
+            # One bucket, exchanged in collectives of 32 elements per peer (message_cap_mb).
+            del opt
+            m = make_model()
+            opt = make_opt(kind, m.parameters(), bucket_cap_mb=100.0, message_cap_mb=1e-4)
         if case == "first-half":
             todo = todo[:2]
         elif case == "second-half":
@@ -214,6 +219,14 @@ def test_two_ranks_train_as_one_process_on_the_whole_batch(tmp_path, kind):
     n = sum(p.numel() for p in m.parameters())
     assert r["memory"]["params"] == n
     assert r["memory"]["state_bytes"] < 3 * 4 * n
+
+
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_message_cap_sends_a_bucket_in_pieces_to_the_same_result(tmp_path, kind):
+    r = run(tmp_path, kind, "pieces")
+    m, _ = reference(kind)
+    for got, want in zip(r["params"], m.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_grad_scaler_skips_an_overflow_on_every_rank(tmp_path):

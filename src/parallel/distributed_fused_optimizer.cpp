@@ -72,6 +72,8 @@ DistributedFusedOptimizer::DistributedFusedOptimizer(
   TORCH_CHECK(std::isfinite(s.bucket_cap_mb) && s.bucket_cap_mb > 0, kWho,
               ": bucket_cap_mb must be > 0, got ", s.bucket_cap_mb);
   TORCH_CHECK(s.pipeline_size >= 1, kWho, ": pipeline_size must be >= 1, got ", s.pipeline_size);
+  TORCH_CHECK(std::isfinite(s.message_cap_mb) && s.message_cap_mb >= 0, kWho,
+              ": message_cap_mb must be >= 0 (0: no cap), got ", s.message_cap_mb);
   TORCH_CHECK(s.dtype == at::kFloat, kWho, ": dtype (of the optimizer state) must be Float, got ",
               s.dtype);
   m.grad_dtype = s.grad_sync_dtype.value_or(s.dtype);
@@ -132,7 +134,8 @@ DistributedFusedOptimizer::DistributedFusedOptimizer(
   for (const auto& p : m.params) sig << ' ' << describe(p.tensor);
   sig << "; bucket_cap_mb " << s.bucket_cap_mb << ", grad_sync_dtype " << m.grad_dtype
       << ", param_sync_dtype " << m.param_dtype << ", store_param_remainders "
-      << s.store_param_remainders;
+      << s.store_param_remainders << ", message_cap_mb " << s.message_cap_mb << ", reduce-scatter "
+      << (m.algorithm == ReduceScatter::kNative ? "native" : "all-to-all");
   const auto sigs = group_.all_gather_string(sig.str());
   for (size_t r = 1; r < sigs.size(); ++r) {
     TORCH_CHECK(sigs[r] == sigs[0], kWho, ": rank ", m.rank, " of ", m.world, ": rank ", r,
@@ -169,7 +172,7 @@ DistributedFusedOptimizer::~DistributedFusedOptimizer() {
   // Collectives still in flight (a step that never came) must end before their buffers go.
   for (const int64_t bi : impl_->in_flight) {
     try {
-      if (impl_->buckets[bi].work) impl_->buckets[bi].work->wait();
+      for (const auto& w : impl_->buckets[bi].works) w->wait();
     } catch (...) {  // NOLINT(bugprone-empty-catch): the error was or will be reported elsewhere
     }
   }
@@ -281,8 +284,10 @@ ShardedMemory DistributedFusedOptimizer::memory() const {
   out.grad_shard_bytes = bytes(m.grad_shard);
   out.grad_buffer_bytes = bytes(m.contiguous);
   for (const auto& t : m.spare) out.cached_buffer_bytes += bytes(t);
-  if (!m.contiguous.defined()) {
-    for (const auto& b : m.buckets) out.grad_buffer_bytes += bytes(b.full) + bytes(b.received);
+  for (const auto& b : m.buckets) {
+    // With contiguous_grad_buffer a bucket's `full` is a view of it, counted above.
+    out.grad_buffer_bytes +=
+        (m.contiguous.defined() ? 0 : bytes(b.full)) + bytes(b.sent) + bytes(b.received);
   }
   return out;
 }

@@ -112,8 +112,16 @@ struct DistributedFusedOptimizer::Impl {
     int64_t arrived = 0;
     BucketState state = BucketState::kEmpty;
     at::Tensor full;      // gradients of the whole bucket, while they live
+    at::Tensor sent;      // `full` in pieces (message_cap_mb), while they travel
     at::Tensor received;  // all-to-all output
-    c10::intrusive_ptr<c10d::Work> work;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;  // one per piece
+  };
+  // A piece of every rank's shard of a bucket: shard elements [offset, offset + length) of each
+  // rank travel as one collective. A bucket's pieces lie one after the other, each as [world]
+  // [length] (with one piece that is the bucket's own [world][shard] layout).
+  struct Piece {
+    int64_t offset = 0;
+    int64_t length = 0;
   };
   struct Param {
     at::Tensor tensor;
@@ -304,6 +312,39 @@ struct DistributedFusedOptimizer::Impl {
                        [](const Param& p) { return p.tensor.scalar_type() != at::kFloat; });
   }
 
+  // The pieces of a shard of `shard` elements of `dt` under message_cap_mb.
+  std::vector<Piece> pieces_of(int64_t shard, at::ScalarType dt) const {
+    int64_t m = shard;
+    if (settings.message_cap_mb > 0) {
+      const double cap =
+          settings.message_cap_mb * 1024.0 * 1024.0 / static_cast<double>(c10::elementSize(dt));
+      m = std::max<int64_t>(detail::kAlign,
+                            static_cast<int64_t>(cap) / detail::kAlign * detail::kAlign);
+    }
+    std::vector<Piece> out;
+    for (int64_t off = 0; off < shard || out.empty(); off += m) {
+      out.push_back({off, std::min(m, shard - off)});
+    }
+    return out;
+  }
+  // Piece c's [world][length] block of a bucket-sized buffer in the pieces' layout.
+  at::Tensor block(const at::Tensor& buf, const Piece& c) const {
+    return buf.narrow(0, world * c.offset, world * c.length);
+  }
+  // Rank r's shard elements [offset, offset + t.numel()) from `buf` (in the pieces' layout) into
+  // `t`, piece by piece.
+  void copy_from_pieces(const at::Tensor& buf, const std::vector<Piece>& ps, int64_t r,
+                        int64_t offset, at::Tensor t) const {
+    for (const auto& c : ps) {
+      const int64_t s = std::max(offset, c.offset);
+      const int64_t e = std::min(offset + t.numel(), c.offset + c.length);
+      if (s < e) {
+        t.narrow(0, s - offset, e - s)
+            .copy_(block(buf, c).narrow(0, r * c.length + (s - c.offset), e - s));
+      }
+    }
+  }
+
   // ---- gradients ----
 
   // Transient buffers (a bucket's gradients, all-to-all outputs, all-gather buffers) are kept for
@@ -420,14 +461,29 @@ struct DistributedFusedOptimizer::Impl {
       return;
     }
     if (settings.average_grad_sync) full.div_(static_cast<double>(world));
+    // In pieces (message_cap_mb): each piece's rows of the bucket side by side, one copy.
+    const auto ps = pieces_of(b.shard, grad_dtype);
+    if (ps.size() > 1) {
+      b.sent = take(b.size, grad_dtype);
+      const at::Tensor rows = full.view({world, b.shard});
+      for (const auto& c : ps)
+        block(b.sent, c).view({world, c.length}).copy_(rows.narrow(1, c.offset, c.length));
+      if (!settings.contiguous_grad_buffer) give(std::move(b.full));
+    }
+    const at::Tensor& send = ps.size() > 1 ? b.sent : full;
     try {
-      if (algorithm == ReduceScatter::kNative) {
-        at::Tensor out = grad_shard.narrow(0, b.local_offset, b.shard);
-        b.work = pg->reduce_scatter_single(out, full);
-      } else {
-        b.received = take(b.size, grad_dtype);
-        std::vector<int64_t> even;
-        b.work = pg->all_to_all_single(b.received, full, even, even);
+      if (algorithm == ReduceScatter::kAllToAll) b.received = take(b.size, grad_dtype);
+      for (const auto& c : ps) {
+        if (algorithm == ReduceScatter::kNative) {
+          at::Tensor out = grad_shard.narrow(0, b.local_offset + c.offset, c.length);
+          at::Tensor in = block(send, c);
+          b.works.push_back(pg->reduce_scatter_single(out, in));
+        } else {
+          std::vector<int64_t> even;
+          at::Tensor out = block(b.received, c);
+          at::Tensor in = block(send, c);
+          b.works.push_back(pg->all_to_all_single(out, in, even, even));
+        }
       }
     } catch (const std::exception& e) {
       TORCH_CHECK(false, where(), ": the reduce-scatter of bucket ", bi,
@@ -449,23 +505,26 @@ struct DistributedFusedOptimizer::Impl {
   void finish(int64_t bi) {
     auto& b = buckets[bi];
     in_flight.erase(std::find(in_flight.begin(), in_flight.end(), bi));
-    auto work = std::move(b.work);
-    wait(work, "reduce-scatter", bi);
+    auto works = std::move(b.works);
+    b.works.clear();
+    for (const auto& w : works) wait(w, "reduce-scatter", bi);
     if (algorithm == ReduceScatter::kAllToAll) {
-      at::Tensor out = grad_shard.narrow(0, b.local_offset, b.shard);
-      // Rank j's contribution is chunk j: summed in rank order, in fp32.
-      if (grad_dtype == at::kFloat || world == 1) {
-        out.copy_(b.received.narrow(0, 0, b.shard));
-        for (int64_t j = 1; j < world; ++j) out.add_(b.received.narrow(0, j * b.shard, b.shard));
-      } else {
-        at::Tensor acc = take(b.shard, at::kFloat);
-        acc.copy_(b.received.narrow(0, 0, b.shard));
-        for (int64_t j = 1; j < world; ++j) acc.add_(b.received.narrow(0, j * b.shard, b.shard));
-        out.copy_(acc);
+      // Rank j's contribution is row j of each piece: summed in rank order, in fp32.
+      at::Tensor acc = grad_dtype == at::kFloat ? at::Tensor() : take(b.shard, at::kFloat);
+      for (const auto& c : pieces_of(b.shard, grad_dtype)) {
+        const at::Tensor rows = block(b.received, c).view({world, c.length});
+        at::Tensor out = (acc.defined() ? acc : grad_shard.narrow(0, b.local_offset, b.shard))
+                             .narrow(0, c.offset, c.length);
+        out.copy_(rows[0]);
+        for (int64_t j = 1; j < world; ++j) out.add_(rows[j]);
+      }
+      if (acc.defined()) {
+        grad_shard.narrow(0, b.local_offset, b.shard).copy_(acc);
         give(std::move(acc));
       }
       give(std::move(b.received));
     }
+    give(std::move(b.sent));
     if (!settings.contiguous_grad_buffer) give(std::move(b.full));
     b.state = BucketState::kReduced;
   }
@@ -481,11 +540,12 @@ struct DistributedFusedOptimizer::Impl {
 
   void reset_grads() {
     for (auto& b : buckets) {
-      TORCH_CHECK(b.state != BucketState::kInFlight || !b.work, where(),
+      TORCH_CHECK(b.state != BucketState::kInFlight || b.works.empty(), where(),
                   ": internal: a reduce-scatter is still in flight");
       if (!settings.contiguous_grad_buffer) give(std::move(b.full));
       b.full = at::Tensor();
       give(std::move(b.received));
+      give(std::move(b.sent));
       b.arrived = 0;
       b.state = BucketState::kEmpty;
     }
@@ -561,22 +621,24 @@ struct DistributedFusedOptimizer::Impl {
     std::vector<std::pair<at::Tensor, at::Tensor>> bufs(buckets.size());  // send, receive
     std::vector<std::vector<c10::intrusive_ptr<c10d::Work>>> works(buckets.size());
     std::vector<char> direct(buckets.size(), 0);
+    std::vector<std::vector<Piece>> pieces(buckets.size());
     size_t done = 0;
     auto unpack = [&](size_t bi) {
       for (auto& w : works[bi]) wait(w, "parameter all-gather", static_cast<int64_t>(bi));
       works[bi].clear();
       if (direct[bi] != 0) return;  // received in place
-      const auto& b = buckets[bi];
       for (int64_t r = 0; r < world; ++r) {
         // This rank's own piece too, from what it sent (rounded as the others received it),
         // unless the sync dtype carries the parameter's values exactly (its own dtype, or fp32):
         // then the piece already holds them.
-        const at::Tensor src =
-            r == rank ? bufs[bi].first : bufs[bi].second.narrow(0, r * b.shard, b.shard);
         for (const auto& sf : by_bucket[bi][r]) {
           const at::ScalarType dt = params[sf.param].tensor.scalar_type();
           if (r == rank && (dt == param_dtype || param_dtype == at::kFloat)) continue;
-          piece(sf).copy_(src.narrow(0, sf.shard_offset, sf.length));
+          if (r == rank) {
+            piece(sf).copy_(bufs[bi].first.narrow(0, sf.shard_offset, sf.length));
+          } else {
+            copy_from_pieces(bufs[bi].second, pieces[bi], r, sf.shard_offset, piece(sf));
+          }
         }
       }
       give(std::move(bufs[bi].first));
@@ -584,13 +646,14 @@ struct DistributedFusedOptimizer::Impl {
     };
     for (size_t bi = 0; bi < buckets.size(); ++bi) {
       const auto& b = buckets[bi];
+      pieces[bi] = pieces_of(b.shard, param_dtype);
       // Point-to-point with every parameter of the bucket in the sync dtype: each fragment goes
       // from its owner's parameter straight into the others' (one message per fragment and
       // peer), with no shard to pack and no buffer to unpack (a third of the step's copies).
       // Many small fragments (biases, norms' weights) go packed: a message costs more than
       // copying them.
       direct[bi] =
-          p2p &&
+          p2p && pieces[bi].size() == 1 &&
           std::all_of(b.params.begin(), b.params.end(),
                       [&](int64_t pi) { return params[pi].tensor.scalar_type() == param_dtype; }) &&
           std::all_of(by_bucket[bi].begin(), by_bucket[bi].end(),
@@ -623,6 +686,14 @@ struct DistributedFusedOptimizer::Impl {
               std::vector<at::Tensor> in{piece(theirs[j])};
               works[bi].push_back(pg->recv(in, static_cast<int>(r), tag(j)));
             }
+          }
+        } else if (pieces[bi].size() > 1) {
+          // In pieces (message_cap_mb): an all-gather each, which the backend's worker threads
+          // run a few at a time (point-to-point messages would all be queued at once).
+          for (const auto& c : pieces[bi]) {
+            at::Tensor out = block(bufs[bi].second, c);
+            at::Tensor in = bufs[bi].first.narrow(0, c.offset, c.length);
+            works[bi].push_back(pg->all_gather_single(out, in));
           }
         } else if (p2p) {
           const int tag = static_cast<int>(bi);

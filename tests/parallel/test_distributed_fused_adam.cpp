@@ -151,13 +151,15 @@ struct Run {
   int inf_rank = 1;
   double clip = 0;
   bool contiguous = false;
+  double cap_mb = 0;  // message_cap_mb
 };
 
 ap::DistributedFusedAdamOptions dfa_options(const Run& run) {
   return ap::DistributedFusedAdamOptions()
       .bucket_cap_mb(run.bucket_mb)
       .reduce_scatter(run.rs)
-      .contiguous_grad_buffer(run.contiguous);
+      .contiguous_grad_buffer(run.contiguous)
+      .message_cap_mb(run.cap_mb);
 }
 
 // The model's output, times its "scale" parameter when it has one: registered first, used last,
@@ -311,6 +313,7 @@ int equivalence(int rank, int world, const std::string& arg) {
   run.inf_step = std::stoi(get(a, "inf_step", "-1"));
   run.clip = std::stod(get(a, "clip", "0"));
   run.contiguous = get(a, "contiguous", "0") == "1";
+  run.cap_mb = std::stod(get(a, "cap_mb", "0"));
   const bool unused = get(a, "unused", "0") == "1";
   const bool scale_param = get(a, "scale", "0") == "1";
   const bool scaled = get(a, "scaler", "0") == "1" || run.inf_step >= 0;
@@ -324,7 +327,8 @@ int equivalence(int rank, int world, const std::string& arg) {
     auto o = ap::DistributedFusedLAMBOptions()
                  .bucket_cap_mb(run.bucket_mb)
                  .reduce_scatter(run.rs)
-                 .contiguous_grad_buffer(run.contiguous);
+                 .contiguous_grad_buffer(run.contiguous)
+                 .message_cap_mb(run.cap_mb);
     opt_holder = std::make_unique<ap::DistributedFusedLAMB>(dflamb_groups(local), o, pg);
   } else {
     opt_holder =
@@ -575,7 +579,27 @@ const RegisterWorker r_mem("dfa_memory", memory);
 // two models differ, by one unit, only where a master's low half is exactly 0x8000), the state
 // takes 10 bytes per shard element instead of 12; the consolidated state loads into a fresh
 // optimizer with the same masters and model; fp16 parameters are refused naming the fix.
-int remainders(int rank, int world, const std::string& /*arg*/) {
+// `opt=lamb`: the same with DistributedFusedLAMB (its kernel rows read the same merged masters).
+std::unique_ptr<ap::DistributedFusedOptimizer> remainder_optimizer(bool lamb,
+                                                                   std::vector<at::Tensor> params,
+                                                                   bool remainders,
+                                                                   const ap::ProcessGroup& pg) {
+  if (lamb) {
+    const auto o = ap::DistributedFusedLAMBOptions(0.01)
+                       .weight_decay(0.01)
+                       .bucket_cap_mb(0.0003)
+                       .store_param_remainders(remainders);
+    return std::make_unique<ap::DistributedFusedLAMB>(std::move(params), o, pg);
+  }
+  const auto o = ap::DistributedFusedAdamOptions(0.01)
+                     .weight_decay(0.01)
+                     .bucket_cap_mb(0.0003)
+                     .store_param_remainders(remainders);
+  return std::make_unique<ap::DistributedFusedAdam>(std::move(params), o, pg);
+}
+
+int remainders(int rank, int world, const std::string& arg) {
+  const bool lamb = get(parse_args(arg), "opt", "adam") == "lamb";
   auto pg = join();
   torch::manual_seed(5);
   auto a = mlp();
@@ -583,11 +607,10 @@ int remainders(int rank, int world, const std::string& /*arg*/) {
   copy_params(*b, *a);
   a->to(at::kBFloat16);
   b->to(at::kBFloat16);
-  const auto o = ap::DistributedFusedAdamOptions(0.01).weight_decay(0.01).bucket_cap_mb(0.0003);
-  auto with_o = o;
-  with_o.store_param_remainders(true);
-  ap::DistributedFusedAdam with(a->parameters(), with_o, pg);
-  ap::DistributedFusedAdam without(b->parameters(), o, pg);
+  const auto with_holder = remainder_optimizer(lamb, a->parameters(), true, pg);
+  const auto without_holder = remainder_optimizer(lamb, b->parameters(), false, pg);
+  ap::DistributedFusedOptimizer& with = *with_holder;
+  ap::DistributedFusedOptimizer& without = *without_holder;
   int bad = 0;
   const auto ma = with.memory();
   const auto mb = without.memory();
@@ -612,7 +635,7 @@ int remainders(int rank, int world, const std::string& /*arg*/) {
   for (int step = 0; step < 6; ++step) {
     for (int which = 0; which < 2; ++which) {
       const auto& ps = which == 0 ? pa : pb;
-      ap::DistributedFusedAdam& opt = which == 0 ? with : without;
+      ap::DistributedFusedOptimizer& opt = which == 0 ? with : without;
       at::Tensor loss = at::zeros({}, at::kFloat);
       for (size_t i = 0; i < ps.size(); ++i) {
         const at::Tensor g =
@@ -655,7 +678,8 @@ int remainders(int rank, int world, const std::string& /*arg*/) {
   torch::manual_seed(77);
   auto c = mlp();
   c->to(at::kBFloat16);
-  ap::DistributedFusedAdam fresh(c->parameters(), with_o, pg);
+  const auto fresh_holder = remainder_optimizer(lamb, c->parameters(), true, pg);
+  ap::DistributedFusedOptimizer& fresh = *fresh_holder;
   fresh.load_consolidated_state_dict(with.consolidated_state_dict());
   const auto sf = fresh.consolidated_state_dict().at("state").toGenericDict();
   const auto sa = with.consolidated_state_dict().at("state").toGenericDict();
@@ -670,7 +694,7 @@ int remainders(int rank, int world, const std::string& /*arg*/) {
   auto h = mlp();
   h->to(at::kHalf);
   try {
-    ap::DistributedFusedAdam refused(h->parameters(), with_o, pg);
+    remainder_optimizer(lamb, h->parameters(), true, pg);
     std::cout << "fp16 parameters with store_param_remainders were accepted\n";
     ++bad;
   } catch (const c10::Error& e) {
@@ -681,8 +705,8 @@ int remainders(int rank, int world, const std::string& /*arg*/) {
       ++bad;
     }
   }
-  std::cout << "rank " << rank << " of " << world << ": 6 steps, " << ties
-            << " ties (low half 0x8000) seen\n";
+  std::cout << (lamb ? "LAMB" : "Adam") << ", rank " << rank << " of " << world << ": 6 steps, "
+            << ties << " ties (low half 0x8000) seen\n";
   return bad == 0 ? 0 : 1;
 }
 const RegisterWorker r_rem("dfa_remainders", remainders);
@@ -825,6 +849,15 @@ TEST(DistributedFusedAdam, NoSyncAccumulationOverThreeMicroBatches) {
   run("dfa_equivalence", 3, "micro=3,contiguous=1");
 }
 TEST(DistributedFusedAdam, OneBucket) { run("dfa_equivalence", 2, "bucket_mb=100"); }
+// message_cap_mb: a bucket's reduce-scatter and parameter all-gather as collectives of at most
+// 32 elements per peer (the smallest piece; 0.0002 MiB is 52 fp32), several per bucket and shard.
+// The all-to-all pieces sum in rank order as before: bit-identical to the replay.
+TEST(DistributedFusedAdam, MessageCapSendsBucketsInPieces) {
+  run("dfa_equivalence", 2, "bucket_mb=100,cap_mb=0.0002");
+  run("dfa_equivalence", 3, "cap_mb=0.0001,dtype=bf16,micro=3,contiguous=1");
+  run("dfa_equivalence", 3, "bucket_mb=100,cap_mb=0.0002,rs=native");
+  run("dfa_equivalence", 2, "bucket_mb=100,cap_mb=0.0002,opt=lamb,scale=1");
+}
 // The layout follows the first backward's gradient order (rank 0's) after the first step; the
 // state moves with it: still bit-identical to the replay.
 TEST(DistributedFusedAdam, LayoutFollowsTheFirstBackwardsGradientOrder) {
@@ -915,6 +948,9 @@ TEST(DistributedFusedAdam, StateBytesPerRankFollowTheFormula) {
 
 TEST(DistributedFusedAdam, ParamRemaindersKeepTheFp32MastersBitForBit) {
   for (int w : {1, 2, 3}) run("dfa_remainders", w, "");
+}
+TEST(DistributedFusedLAMB, ParamRemaindersKeepTheFp32MastersBitForBit) {
+  for (int w : {1, 2, 3}) run("dfa_remainders", w, "opt=lamb");
 }
 
 TEST(DistributedFusedAdam, DifferentLayoutsAreRefusedNamingTheRank) {

@@ -54,6 +54,13 @@ enum class ReduceScatter {
   /** master's high half, rounded half up; the remainder its low half): 2 bytes per element */  \
   /** of the shard instead of 4, the same fp32 master bit for bit. CPU parameters only.     */  \
   TORCH_ARG(bool, store_param_remainders) = false;                                              \
+  /** Largest message of a bucket's exchanges in MiB per peer (0: one collective per bucket, */ \
+  /** apex's). Above it a bucket's reduce-scatter and parameter all-gather go as several     */ \
+  /** collectives, which the backend's worker threads run a few at a time: on a slow link    */ \
+  /** with a deep queue, one large exchange both ways at once runs at ~60 % of the link (each*/ \
+  /** direction's acknowledgments wait behind the other's data); pieces keep the queue short.*/ \
+  /** Each piece costs a collective's latency: for slow links only (docs/distributed.md).    */ \
+  TORCH_ARG(double, message_cap_mb) = 0.0;                                                      \
   TORCH_ARG(ReduceScatter, reduce_scatter) = ReduceScatter::kAuto;
 // NOLINTEND(cppcoreguidelines-macro-usage)
 
@@ -69,13 +76,14 @@ struct ShardingSettings {
   bool contiguous_grad_buffer = false;
   ReduceScatter reduce_scatter = ReduceScatter::kAuto;
   bool store_param_remainders = false;
+  double message_cap_mb = 0.0;
 
   template <class Options>
   static ShardingSettings of(const Options& o) {
-    return {o.bucket_cap_mb(),         o.pipeline_size(),          o.dtype(),
-            o.grad_sync_dtype(),       o.param_sync_dtype(),       o.overlap_grad_sync(),
-            o.average_grad_sync(),     o.contiguous_grad_buffer(), o.reduce_scatter(),
-            o.store_param_remainders()};
+    return {o.bucket_cap_mb(),          o.pipeline_size(),          o.dtype(),
+            o.grad_sync_dtype(),        o.param_sync_dtype(),       o.overlap_grad_sync(),
+            o.average_grad_sync(),      o.contiguous_grad_buffer(), o.reduce_scatter(),
+            o.store_param_remainders(), o.message_cap_mb()};
   }
 };
 

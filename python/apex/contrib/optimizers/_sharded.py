@@ -33,7 +33,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  device, process_group, distributed_process_group, redundant_process_group,
                  average_grad_sync, overlap_grad_sync, bucket_cap_mb, pipeline_size,
                  contiguous_grad_buffer, reduce_scatter, timeout, unsupported,
-                 store_param_remainders=False):
+                 store_param_remainders=False, message_cap_mb=0.0):
         if STABLE:
             raise RuntimeError(f"{who} is in the regular op library, not in the stable-ABI one "
                                f"that serves torch {torch.__version__}; {_REINSTALL}")
@@ -63,7 +63,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                        overlap_grad_sync=float(bool(overlap_grad_sync)),
                        average_grad_sync=float(bool(average_grad_sync)),
                        contiguous_grad_buffer=float(bool(contiguous_grad_buffer)),
-                       store_param_remainders=float(bool(store_param_remainders)))
+                       store_param_remainders=float(bool(store_param_remainders)),
+                       message_cap_mb=float(message_cap_mb))
         names = dict(dtype="float32",
                      grad_sync_dtype=_dtype_name(who, "grad_sync_dtype", grad_sync_dtype),
                      param_sync_dtype=_dtype_name(who, "param_sync_dtype", param_sync_dtype),

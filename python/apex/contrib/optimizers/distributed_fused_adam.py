@@ -10,7 +10,9 @@ class DistributedFusedAdam(ShardedOptimizer):
     ``unscale_grads``, ``clip_grad_norm``, ``no_sync`` and ``state_dict()`` format 2.
 
     ``device`` defaults to the parameters' device (apex: "cuda"). ``store_param_remainders``
-    (bf16 CPU parameters): 16-bit remainders instead of fp32 masters. Not supported (a clear
+    (bf16 CPU parameters): 16-bit remainders instead of fp32 masters. ``message_cap_mb`` (ours,
+    default 0: off): a bucket's exchanges in collectives of at most this many MiB per peer, for
+    slow links between hosts (docs/distributed.md). Not supported (a clear
     error): amsgrad, redundant_process_group, with_scaled_states, nccl_ub, capturable,
     contiguous_param_buffer. overlap_param_sync is accepted; parameters are
     all-gathered at the end of step()."""
@@ -26,7 +28,7 @@ class DistributedFusedAdam(ShardedOptimizer):
                  bucket_cap_mb=100.0, pipeline_size=2, contiguous_param_buffer=False,
                  contiguous_grad_buffer=False, store_params=True, store_param_remainders=False,
                  with_scaled_states=False, nccl_ub=False, capturable=False,
-                 reduce_scatter="auto", timeout=None):
+                 reduce_scatter="auto", timeout=None, message_cap_mb=0.0):
         if amsgrad:
             raise RuntimeError("DistributedFusedAdam does not support the AMSGrad variant.")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
@@ -39,7 +41,7 @@ class DistributedFusedAdam(ShardedOptimizer):
             overlap_grad_sync=overlap_grad_sync, bucket_cap_mb=bucket_cap_mb,
             pipeline_size=pipeline_size, contiguous_grad_buffer=contiguous_grad_buffer,
             reduce_scatter=reduce_scatter, timeout=timeout,
-            store_param_remainders=store_param_remainders,
+            store_param_remainders=store_param_remainders, message_cap_mb=message_cap_mb,
             unsupported=[("with_scaled_states", with_scaled_states, False),
                          ("nccl_ub", nccl_ub, False), ("capturable", capturable, False),
                          ("contiguous_param_buffer", contiguous_param_buffer, False),

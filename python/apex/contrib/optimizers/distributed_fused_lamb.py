@@ -23,7 +23,7 @@ class DistributedFusedLAMB(ShardedOptimizer):
                  param_sync_dtype=None, device=None, process_group=None,
                  distributed_process_group=None, average_grad_sync=True, bucket_cap_mb=100.0,
                  pipeline_size=2, contiguous_grad_buffer=False, reduce_scatter="auto",
-                 timeout=None):
+                 timeout=None, message_cap_mb=0.0):
         if not step_supports_amp_scaling:
             raise RuntimeError("DistributedFusedLAMB: step_supports_amp_scaling=False is not "
                                "supported (GradScaler reaches the sharded gradients only "
@@ -40,4 +40,5 @@ class DistributedFusedLAMB(ShardedOptimizer):
             redundant_process_group=None, average_grad_sync=average_grad_sync,
             overlap_grad_sync=overlap_grad_sync, bucket_cap_mb=bucket_cap_mb,
             pipeline_size=pipeline_size, contiguous_grad_buffer=contiguous_grad_buffer,
-            reduce_scatter=reduce_scatter, timeout=timeout, unsupported=[])
+            reduce_scatter=reduce_scatter, timeout=timeout, message_cap_mb=message_cap_mb,
+            unsupported=[])
