@@ -2,7 +2,8 @@
 # apex-train across two "hosts" (network namespaces joined by a veth pair, one torchrun agent
 # each) on a link limited to RATE by tc tbf on both ends: DDP against ZeRO-2 (--zero), samples/s
 # from rank 0's summary and the bytes node A sent per step. As root; the namespaces go on every
-# path. Figures go to docs/benchmarks.md ("ZeRO-2").
+# path. ZeRO-2 runs with the default 100 MiB buckets, with them sent in 0.125 MiB messages, and
+# with 0.25 MiB buckets. Figures go to docs/benchmarks.md ("ZeRO-2").
 #   scripts/bench_two_hosts.sh 1gbit [STEPS]     (RATE: tc's syntax, or "none")
 set -euo pipefail
 rate=${1:-1gbit}
@@ -57,6 +58,7 @@ echo "two namespaces, link $rate, mlp fp32, 1 thread per rank, $steps steps"
 for round in 1 2; do
   run "ddp-$round"
   run "zero-$round" --zero
+  run "zero-cap-$round" --zero --zero-message-cap-mb 0.125
   run "zero-small-$round" --zero --bucket-cap-mb 0.25
 done
 rm -rf "$work"

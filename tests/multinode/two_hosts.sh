@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Two "hosts" on this machine: two network namespaces joined by a veth pair, one torchrun agent in
 # each (c10d rendezvous on node A's address). Checks, with apex-train:
-#   - --ddp and --zero across the two hosts give the losses of --nproc 2 on loopback, bit for bit;
+#   - --ddp and --zero (each way) across the two hosts give the losses of --nproc 2 on loopback, bit for bit;
 #   - the bytes a rank sends per step (node A's veth counter, jumbo frames so headers are ~0.1 %)
 #     are DDP ~1.0 S, ZeRO-2 with the all-to-all reduce-scatter ~1.0 S, ZeRO-2 with Gloo's native
-#     reduce-scatter ~1.5 S (S = the model's fp32 bytes), each within 5 %;
+#     reduce-scatter ~1.5 S, ZeRO-2 in 0.25 MiB messages (--zero-message-cap-mb) ~1.0 S (S = the
+#     model's fp32 bytes), each within 5 %;
 #   - without GLOO_SOCKET_IFNAME every rank fails within seconds, naming it.
 # Needs root and iproute2; fails (never skips) when it cannot set up. The namespaces go on every path.
 # Usage: two_hosts.sh APEX_TRAIN PYTHON
@@ -78,11 +79,12 @@ sys.exit(0 if abs(r-1)<=0.05 else 1)' "$@"
 
 params=""
 declare -A per_step
-for cfg in ddp zero native; do
+for cfg in ddp zero native pieces; do
   case $cfg in
     ddp) flags=() ;;
     zero) flags=(--zero) ;;
     native) flags=(--zero --zero-reduce-scatter native) ;;
+    pieces) flags=(--zero --zero-message-cap-mb 0.25) ;;
   esac
   read -r s1 s2 b10 <<<"$(two_hosts "${cfg}10" 10 yes "${flags[@]}")"
   [ "$s1$s2" = 00 ] || { cat "$work/${cfg}10".*.log; fail "$cfg across two hosts failed ($s1 $s2)"; }
@@ -109,6 +111,7 @@ ok=0
 ratio_ok "DDP" "${per_step[ddp]}" "$S" || ok=1
 ratio_ok "ZeRO-2, all-to-all reduce-scatter" "${per_step[zero]}" "$S" || ok=1
 ratio_ok "ZeRO-2, Gloo's reduce-scatter" "${per_step[native]}" "$((S * 3 / 2))" || ok=1
+ratio_ok "ZeRO-2, 0.25 MiB messages" "${per_step[pieces]}" "$S" || ok=1
 [ $ok = 0 ] || fail "wire bytes per step off by more than 5 %"
 
 # Without GLOO_SOCKET_IFNAME Gloo would advertise loopback: every rank fails at once.

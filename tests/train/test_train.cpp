@@ -688,6 +688,10 @@ TEST_F(TrainFiles, DistributedFlagErrors) {
        "--bucket-cap-mb expects a number in [1e-06, 1e+06], got '0'"},
       {"--model mlp --nproc 2 --bucket-cap-mb nan --opt-level O0",
        "--bucket-cap-mb expects a number"},
+      {"--model mlp --nproc 2 --zero-message-cap-mb 0.25 --opt-level O0",
+       "--zero-message-cap-mb needs --zero"},
+      {"--model mlp --nproc 2 --zero --zero-message-cap-mb -1 --opt-level O0",
+       "--zero-message-cap-mb expects a number in [0, 1e+06], got '-1'"},
   };
   for (const auto& [args, message] : cases) {
     const Proc p = run(std::string(APEX_TRAIN_EXE) + " --no-progress " + args);

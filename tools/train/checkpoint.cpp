@@ -221,7 +221,8 @@ void check_same_settings(const TrainOptions& o, const apex::parallel::ProcessGro
       {"--bucket-cap-mb", json::num_exact(o.bucket_cap_mb)},
       {"--timeout", json::num_exact(o.timeout_s)},
       {"--zero", o.zero ? "yes" : "no"},
-      {"--zero-reduce-scatter", o.zero_reduce_scatter}};
+      {"--zero-reduce-scatter", o.zero_reduce_scatter},
+      {"--zero-message-cap-mb", json::num_exact(o.zero_message_cap_mb)}};
   for (const auto& [key, value] : run_settings(o, pg.size())) {
     if (key == "world_size") continue;  // one group: the same everywhere
     std::string flag = "--" + key;

@@ -214,6 +214,7 @@ Summary train(const TrainOptions& o, const Split& data) {
         apex::parallel::DistributedFusedAdamOptions(o.lr)
             .weight_decay(o.weight_decay)
             .bucket_cap_mb(o.bucket_cap_mb > 0 ? o.bucket_cap_mb : 100.0)
+            .message_cap_mb(o.zero_message_cap_mb)
             .reduce_scatter(
                 o.zero_reduce_scatter == "native"       ? apex::parallel::ReduceScatter::kNative
                 : o.zero_reduce_scatter == "all-to-all" ? apex::parallel::ReduceScatter::kAllToAll

@@ -63,6 +63,8 @@ struct TrainOptions {
   /// the ranks (needs ddp, Adam, fp32/O0/O1).
   bool zero = false;
   std::string zero_reduce_scatter = "auto";  ///< auto, all-to-all or native
+  /// ZeRO-2: the largest message of a bucket's exchanges in MiB per peer (0: none).
+  double zero_message_cap_mb = 0;
   /// DDP's bucket size in MiB, the first bucket's too, as Python DDP's bucket_cap_mb (0: the
   /// defaults, 25 MiB and a first bucket of 1 MiB).
   double bucket_cap_mb = 0;
