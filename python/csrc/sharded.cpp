@@ -188,6 +188,9 @@ class ShardedOptimizer : public torch::CustomClassHolder {
     whole.insert("param_groups", group_list);
     opt_->load_consolidated_state_dict(whole);
   }
+  void init_params_bucket(const std::vector<at::Tensor>& params) {
+    opt_->init_params_bucket(params);
+  }
   void save_sharded(const std::string& dir) const { opt_->save_sharded(dir); }
   void load_sharded(const std::string& dir) { opt_->load_sharded(dir); }
   int64_t step_count(int64_t group) const {
@@ -231,6 +234,7 @@ TORCH_LIBRARY_FRAGMENT(apex_cpp, m) {
       .def("set_no_sync", &ShardedOptimizer::set_no_sync)
       .def("state_dict", &ShardedOptimizer::state_dict)
       .def("load_state_dict", &ShardedOptimizer::load_state_dict)
+      .def("init_params_bucket", &ShardedOptimizer::init_params_bucket)
       .def("save_sharded", &ShardedOptimizer::save_sharded)
       .def("load_sharded", &ShardedOptimizer::load_sharded)
       .def("step_count", &ShardedOptimizer::step_count)

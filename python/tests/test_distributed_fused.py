@@ -103,6 +103,18 @@ def worker(rank, world, port, kind, case, out):
             del opt
             m = make_model()
             opt = make_opt(kind, m.parameters(), bucket_cap_mb=100.0, message_cap_mb=1e-4)
+        if case == "bucketed":
+            # apex's init_params / init_params_bucket: the first layer in a bucket of its own.
+            del opt
+            m = make_model()
+            opt = make_opt(kind, m.parameters(), bucket_cap_mb=100.0)
+            opt.init_params()
+            opt.init_params(m.parameters())
+            try:
+                opt.init_params(torch.ones(3))
+            except RuntimeError as e:
+                result["refused"] = str(e)
+            opt.init_params_bucket([m[0].weight, m[0].bias])
         if case == "first-half":
             todo = todo[:2]
         elif case == "second-half":
@@ -219,6 +231,17 @@ def test_two_ranks_train_as_one_process_on_the_whole_batch(tmp_path, kind):
     n = sum(p.numel() for p in m.parameters())
     assert r["memory"]["params"] == n
     assert r["memory"]["state_bytes"] < 3 * 4 * n
+
+
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_init_params_bucket_gives_a_layer_its_own_bucket(tmp_path, kind):
+    r = run(tmp_path, kind, "bucketed")
+    m, _ = reference(kind)
+    for got, want in zip(r["params"], m.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    # Two padded buckets (144 and 68 elements, to multiples of 64) instead of one (212 to 256).
+    assert r["memory"]["shard_elements"] == (192 + 128) // 2
+    assert "is not one of this optimizer's parameters" in r["refused"]
 
 
 @pytest.mark.parametrize("kind", ["adam", "lamb"])

@@ -303,6 +303,52 @@ std::vector<at::Tensor> DistributedFusedOptimizer::layout() const {
   return out;
 }
 
+void DistributedFusedOptimizer::init_params_bucket(const std::vector<at::Tensor>& params) {
+  auto& m = *impl_;
+  std::vector<char> taken(m.params.size(), 0);
+  for (const auto& g : m.fixed) {
+    for (const int64_t i : g) taken[i] = 1;
+  }
+  std::vector<int64_t> group;
+  std::string error;
+  for (size_t k = 0; k < params.size() && error.empty(); ++k) {
+    const auto it = std::find_if(m.params.begin(), m.params.end(),
+                                 [&](const Impl::Param& p) { return p.tensor.is_same(params[k]); });
+    if (it == m.params.end()) {
+      error = m.where() + ": init_params_bucket: tensor " + std::to_string(k) + " (" +
+              describe(params[k]) + ") is not one of this optimizer's parameters";
+      break;
+    }
+    const auto i = static_cast<int64_t>(it - m.params.begin());
+    if (taken[i] == 0) group.push_back(i);  // already in a group (or twice here): ignored
+    taken[i] = 1;
+  }
+  if (error.empty() && std::any_of(m.buckets.begin(), m.buckets.end(), [](const auto& b) {
+        return b.state != Impl::BucketState::kEmpty;
+      })) {
+    error = m.where() +
+            ": init_params_bucket with gradients pending: call it before backward, or after "
+            "step() or zero_grad()";
+  }
+  m.agree(error, "init_params_bucket");
+  std::string mine;
+  for (const int64_t i : group) mine += std::to_string(i) + " ";
+  const auto all = m.group.all_gather_string(mine);
+  for (size_t r = 1; r < all.size(); ++r) {
+    TORCH_CHECK(all[r] == all[0], m.where(), ": init_params_bucket: rank ", r,
+                " gave other parameters than rank 0 (layout indices '", all[r], "' against '",
+                all[0], "'); every rank must give the same");
+  }
+  if (group.empty()) return;
+  m.fixed.push_back(group);
+  std::vector<int64_t> next;
+  for (const auto& g : m.fixed) next.insert(next.end(), g.begin(), g.end());
+  for (const int64_t i : m.order) {
+    if (taken[i] == 0) next.push_back(i);
+  }
+  m.relayout(std::move(next));
+}
+
 ReduceScatter DistributedFusedOptimizer::reduce_scatter_algorithm() const {
   return impl_->algorithm;
 }

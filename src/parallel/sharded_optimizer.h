@@ -150,6 +150,8 @@ struct DistributedFusedOptimizer::Impl {
   std::vector<Bucket> buckets;
   std::vector<int64_t> order;    // the layout: indices into params
   std::vector<int64_t> arrival;  // the first backward's gradient order (follow_arrival_order)
+  // init_params_bucket: groups of parameters that lead the layout, each in buckets of its own.
+  std::vector<std::vector<int64_t>> fixed;
   bool arrival_final = false;
   std::vector<ShardFragment> local;                                // this rank's
   std::vector<std::vector<std::vector<ShardFragment>>> by_bucket;  // [bucket][rank]
@@ -181,42 +183,49 @@ struct DistributedFusedOptimizer::Impl {
         bucket_cap_mb * 1024.0 * 1024.0 / static_cast<double>(c10::elementSize(grad_dtype));
     const int64_t cap =
         std::max<int64_t>(unit, detail::round_up(static_cast<int64_t>(cap_elems), unit));
-    int64_t total = 0;
-    for (const auto& p : params) total += p.numel;
-    // Cut the flat sequence of parameters (in layout order) into buckets of `cap`.
-    int64_t start = 0;
+    // The layout's segments: each init_params_bucket group (they lead `order`), then the rest.
+    std::vector<size_t> ends;
+    for (const auto& g : fixed) ends.push_back((ends.empty() ? 0 : ends.back()) + g.size());
+    ends.push_back(order.size());
     size_t k = 0;  // position in `order`
-    int64_t poff = 0;
-    while (start < total) {
-      Bucket b;
-      const int64_t used = std::min(cap, total - start);
-      b.size = detail::round_up(used, unit);
-      b.shard = b.size / world;
-      b.local_offset = shard_elements;
-      shard_elements += b.shard;
-      const auto bi = static_cast<int64_t>(buckets.size());
-      int64_t filled = 0;
-      while (filled < used) {
-        const int64_t pi = order[k];
-        auto& p = params[pi];
-        const int64_t len = std::min(p.numel - poff, used - filled);
-        Fragment f{pi, poff, bi, filled, len};
-        p.fragments.push_back(static_cast<int64_t>(fragments.size()));
-        if (p.buckets.empty() || p.buckets.back() != bi) {
-          p.buckets.push_back(bi);
-          b.params.push_back(pi);
+    for (const size_t end : ends) {
+      int64_t total = 0;
+      for (size_t i = k; i < end; ++i) total += params[order[i]].numel;
+      // Cut the segment's flat sequence of parameters into buckets of `cap`.
+      int64_t start = 0;
+      int64_t poff = 0;
+      while (start < total) {
+        Bucket b;
+        const int64_t used = std::min(cap, total - start);
+        b.size = detail::round_up(used, unit);
+        b.shard = b.size / world;
+        b.local_offset = shard_elements;
+        shard_elements += b.shard;
+        const auto bi = static_cast<int64_t>(buckets.size());
+        int64_t filled = 0;
+        while (filled < used) {
+          const int64_t pi = order[k];
+          auto& p = params[pi];
+          const int64_t len = std::min(p.numel - poff, used - filled);
+          Fragment f{pi, poff, bi, filled, len};
+          p.fragments.push_back(static_cast<int64_t>(fragments.size()));
+          if (p.buckets.empty() || p.buckets.back() != bi) {
+            p.buckets.push_back(bi);
+            b.params.push_back(pi);
+          }
+          fragments.push_back(f);
+          b.fragments.push_back(f);
+          filled += len;
+          poff += len;
+          if (poff == p.numel) {
+            ++k;
+            poff = 0;
+          }
         }
-        fragments.push_back(f);
-        b.fragments.push_back(f);
-        filled += len;
-        poff += len;
-        if (poff == p.numel) {
-          ++k;
-          poff = 0;
-        }
+        buckets.push_back(std::move(b));
+        start += used;
       }
-      buckets.push_back(std::move(b));
-      start += used;
+      k = end;
     }
     local = shard_fragments(rank);
     by_bucket.assign(buckets.size(), std::vector<std::vector<ShardFragment>>(world));
@@ -247,21 +256,35 @@ struct DistributedFusedOptimizer::Impl {
     std::string mine;
     for (const int64_t i : arrival) mine += std::to_string(i) + ",";
     const std::string first = group.all_gather_string(mine).front();
+    // The init_params_bucket groups stay in front, in their order.
     std::vector<int64_t> next;
     std::vector<char> seen(params.size(), 0);
+    for (const auto& g : fixed) {
+      for (const int64_t i : g) {
+        seen[i] = 1;
+        next.push_back(i);
+      }
+    }
+    std::vector<char> arrived(params.size(), 0);
     std::istringstream in(first);
     for (std::string item; std::getline(in, item, ',');) {
       const int64_t i = std::stoll(item);
-      TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(params.size()) && !seen[i], where(),
+      TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(params.size()) && !arrived[i], where(),
                   ": internal: rank 0's gradient order is malformed");
+      arrived[i] = 1;
+      if (seen[i] == 0) next.push_back(i);
       seen[i] = 1;
-      next.push_back(i);
     }
     for (const int64_t i : order) {
       if (!seen[i]) next.push_back(i);  // no gradient in the first backward: where they were
     }
     arrival.clear();
-    if (next == order) return;
+    if (next != order) relayout(std::move(next));
+  }
+
+  // A new layout (`next`, and the buckets `fixed` asks for; every rank calls it): the state moves
+  // through the gathered whole state.
+  void relayout(std::vector<int64_t> next) {
     const Full full = gather_full();
     const std::vector<int64_t> kept_steps = steps;
     fragments.clear();

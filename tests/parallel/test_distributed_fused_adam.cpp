@@ -350,7 +350,6 @@ int equivalence(int rank, int world, const std::string& arg) {
     scaler = std::make_unique<apex::amp::GradScaler>(
         apex::amp::GradScalerOptions().device(c10::kCPU).init_scale(1024.0));
   }
-  int bad = 0;
   int64_t taken = 0;
   auto position = [&](const std::vector<at::Tensor>& layout) {
     std::string out;
@@ -362,8 +361,51 @@ int equivalence(int rank, int world, const std::string& arg) {
     }
     return out;
   };
+  // `fixed=1`: init_params_bucket before the first step (the first layer: weight and bias) and
+  // before step 2 (the last bias): each group leads the layout in buckets of its own, and with
+  // one bucket for the rest the shard is one padded bucket per segment; the state moves with the
+  // layout (still bit-identical to the replay).
+  const bool fixed = get(a, "fixed", "0") == "1";
+  std::vector<int64_t> groups;  // elements per init_params_bucket group (new ones only)
+  const auto fix = [&](const std::vector<at::Tensor>& group, int64_t added,
+                       const std::string& expect) {
+    opt.init_params_bucket(group);
+    groups.push_back(added);
+    int64_t rest = 0;
+    for (const auto& p : local->parameters()) rest += p.numel();
+    int64_t want = 0;  // a padded bucket per group and one for the rest
+    for (const int64_t e : groups) {
+      want += (e + 32 * world - 1) / (32 * world) * 32;
+      rest -= e;
+    }
+    want += (rest + 32 * world - 1) / (32 * world) * 32;
+    int bad_here = 0;
+    if (position(opt.layout()).rfind(expect, 0) != 0) {
+      std::cout << "init_params_bucket: layout " << position(opt.layout())
+                << ", expected it to start " << expect << "\n";
+      ++bad_here;
+    }
+    if (run.bucket_mb >= 1 && opt.memory().shard_elements != want) {
+      std::cout << "init_params_bucket: " << opt.memory().shard_elements
+                << " shard elements, expected " << want << " (one bucket per segment)\n";
+      ++bad_here;
+    }
+    return bad_here;
+  };
+  int bad = 0;
+  int bad_fixed = 0;
+  if (fixed) {
+    const auto ps = local->parameters();
+    bad_fixed += fix({ps[0], ps[1]}, ps[0].numel() + ps[1].numel(), "0 1 ");
+  }
   const std::string before = position(opt.layout());
   for (int s = 0; s < steps; ++s) {
+    if (fixed && s == 2) {
+      const auto ps = local->parameters();
+      // ps[0] is in a group already: ignored.
+      bad_fixed +=
+          fix({ps.back(), ps[0]}, ps.back().numel(), "0 1 " + std::to_string(ps.size() - 1) + " ");
+    }
     const bool stepped = iteration(rank, world, s, run, local, opt, scaler.get());
     if (s == 0 && scale_param) {
       // The scale's gradient arrived first: it leads the layout after the first step.
@@ -384,6 +426,34 @@ int equivalence(int rank, int world, const std::string& arg) {
     bad += compare(local->parameters(), ref.model->parameters(), exact, run.dtype,
                    "step " + std::to_string(s));
     if (bad > 0) break;
+  }
+  if (fixed) {
+    // Refused on every rank, nothing changed: a tensor that is not a parameter here, and ranks
+    // giving different parameters.
+    bad += bad_fixed;
+    const std::string kept = position(opt.layout());
+    const auto refused = [&](const std::vector<at::Tensor>& g, const std::string& text) {
+      try {
+        opt.init_params_bucket(g);
+        std::cout << "init_params_bucket accepted what should fail with: " << text << "\n";
+        ++bad;
+      } catch (const c10::Error& e) {
+        const std::string msg = e.what_without_backtrace();
+        if (msg.find(text) == std::string::npos) {
+          std::cout << "unexpected message: " << msg << "\n";
+          ++bad;
+        }
+      }
+      if (position(opt.layout()) != kept) {
+        std::cout << "a refused init_params_bucket changed the layout\n";
+        ++bad;
+      }
+    };
+    refused({at::ones({3})}, "tensor 0 (Float[3]) is not one of this optimizer's parameters");
+    if (world > 1) {
+      const auto ps = local->parameters();
+      refused({rank == 0 ? ps[2] : ps[3]}, "rank 1 gave other parameters than rank 0");
+    }
   }
   if (opt.step_count(0) != taken || opt.step_count(1) != taken) {
     std::cout << "step counts " << opt.step_count(0) << ", " << opt.step_count(1) << "; expected "
@@ -864,6 +934,14 @@ TEST(DistributedFusedAdam, LayoutFollowsTheFirstBackwardsGradientOrder) {
   run("dfa_equivalence", 3, "scale=1");
   run("dfa_equivalence", 2, "scale=1,dtype=bf16,micro=3");
   run("dfa_equivalence", 2, "scale=1,opt=lamb");
+}
+// init_params_bucket: groups in buckets of their own ahead of the rest, before the first step
+// and between steps (the state moves); foreign tensors and ranks that disagree are refused.
+TEST(DistributedFusedAdam, InitParamsBucketGivesGroupsTheirOwnBuckets) {
+  run("dfa_equivalence", 2, "fixed=1,bucket_mb=100");
+  run("dfa_equivalence", 3, "fixed=1,bucket_mb=100,dtype=bf16");
+  run("dfa_equivalence", 3, "fixed=1,micro=3");
+  run("dfa_equivalence", 2, "fixed=1,bucket_mb=100,opt=lamb");
 }
 TEST(DistributedFusedAdam, UnusedParameterTravelsAsZeros) {
   run("dfa_equivalence", 3, "unused=1");

@@ -104,7 +104,8 @@ struct ShardedMemory {
 /// Parameters are flattened into buckets of bucket_cap_mb, each bucket split into W equal shards;
 /// a parameter may be cut into fragments across buckets and shards. The order is the reverse of
 /// registration until the first step, then the order in which rank 0's first backward produced
-/// the gradients (the state moves with it, once), so that buckets fill one after the other.
+/// the gradients (the state moves with it, once), so that buckets fill one after the other;
+/// init_params_bucket puts groups of parameters in buckets of their own, ahead of the rest.
 /// Gradients leave `p.grad` as soon as autograd accumulates them (a hook copies them into their
 /// bucket), so `p.grad` stays undefined: use grad_norm() and clip_grad_norm() here, not on the
 /// parameters. fp16/bf16 parameters get an fp32 master in the shard (bf16 ones, with
@@ -162,6 +163,13 @@ class DistributedFusedOptimizer : public torch::optim::Optimizer, public optim::
   /// step, then the order rank 0's first backward produced their gradients in.
   std::vector<at::Tensor> layout() const;
   ReduceScatter reduce_scatter_algorithm() const;
+  /// apex's init_params_bucket: `params` (this optimizer's) get buckets of their own, so that
+  /// their gradients travel together and apart from the others'. Groups lead the layout in the
+  /// order of the calls (the other parameters follow, in arrival order after the first step);
+  /// parameters already in a group are ignored. The state moves with the layout. Every rank must
+  /// call it with the same parameters, with no gradients pending (before backward, or after
+  /// step() or zero_grad()).
+  void init_params_bucket(const std::vector<at::Tensor>& params);
 
   /// Writes this rank's shard to `dir`/shard-<rank>-of-<world>.pt and, on rank 0,
   /// `dir`/manifest.pt (torch.save format, atomic; every rank must call it). Loadable at any

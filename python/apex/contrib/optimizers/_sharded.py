@@ -177,6 +177,40 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The gradients' global L2 norm (one scalar all-reduce)."""
         return torch.tensor(self._impl.grad_norm())
 
+    # -- layout -------------------------------------------------------------------------------
+
+    def _per_call_dtypes(self, what, dtypes):
+        for name, value in dtypes.items():
+            if value is not None:
+                raise RuntimeError(f"{self._who}.{what}: {name}={value!r} per call is not "
+                                   "supported by apex-cpp (give it to the constructor)")
+
+    def init_params(self, params=None, grad_sync_dtype=None, param_sync_dtype=None):
+        """apex's init_params: the state of every parameter exists from the constructor on, so
+        this only checks that ``params`` (a tensor, an iterable, or None: all) are this
+        optimizer's."""
+        self._per_call_dtypes("init_params", dict(grad_sync_dtype=grad_sync_dtype,
+                                                  param_sync_dtype=param_sync_dtype))
+        if params is None:
+            return
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        mine = {id(p) for g in self.param_groups for p in g["params"]}
+        for k, p in enumerate(params):
+            if id(p) not in mine:
+                raise RuntimeError(f"{self._who}.init_params: tensor {k} "
+                                   f"({tuple(p.shape)}) is not one of this optimizer's "
+                                   "parameters")
+
+    def init_params_bucket(self, params, grad_sync_dtype=None, param_sync_dtype=None):
+        """apex's init_params_bucket: ``params`` get buckets of their own (their gradients
+        travel together, apart from the others'), ahead of the rest of the layout; parameters
+        already in such a group are ignored. The state moves with the layout. Every rank must
+        call it with the same parameters, with no gradients pending."""
+        self._per_call_dtypes("init_params_bucket", dict(grad_sync_dtype=grad_sync_dtype,
+                                                         param_sync_dtype=param_sync_dtype))
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self._impl.init_params_bucket(params)
+
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self, gather_on_root=None):
