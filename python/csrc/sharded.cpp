@@ -61,6 +61,7 @@ void set_sharding(Options& o, const Numbers& n, const Names& s, const char* who)
   o.overlap_grad_sync(number(n, "overlap_grad_sync", who) != 0);
   o.average_grad_sync(number(n, "average_grad_sync", who) != 0);
   o.contiguous_grad_buffer(number(n, "contiguous_grad_buffer", who) != 0);
+  o.store_params(number(n, "store_params", who) != 0);
   o.store_param_remainders(number(n, "store_param_remainders", who) != 0);
   o.message_cap_mb(number(n, "message_cap_mb", who));
   o.dtype(dtype_of(s, "dtype", who).value_or(at::kFloat));

@@ -84,7 +84,8 @@ def worker(rank, world, port, kind, case, out):
             del opt
             m = make_model().to(torch.bfloat16)
             other = make_model().to(torch.bfloat16)
-            opt = make_opt(kind, m.parameters(), bucket_cap_mb=1e-4, store_param_remainders=True)
+            opt = make_opt(kind, m.parameters(), bucket_cap_mb=1e-4, store_params=False,
+                           store_param_remainders=True)
             masters = make_opt(kind, other.parameters(), bucket_cap_mb=1e-4)
             g = torch.Generator().manual_seed(11 + rank)
             for _ in range(STEPS):
@@ -95,6 +96,9 @@ def worker(rank, world, port, kind, case, out):
                     o.zero_grad()
             result["masters_state"] = masters.state_dict()
             result["masters_memory"] = masters.memory()
+            third = make_model().to(torch.bfloat16)
+            result["nostore_memory"] = make_opt(kind, third.parameters(), bucket_cap_mb=1e-4,
+                                                store_params=False).memory()
             result["masters_params"] = [p.detach().clone() for p in other.parameters()]
             del masters
             todo = []
@@ -338,6 +342,7 @@ def test_param_remainders_keep_the_fp32_masters_bit_for_bit(tmp_path):
     shard = r["memory"]["shard_elements"]
     assert r["memory"]["state_bytes"] == 10 * shard
     assert r["masters_memory"]["state_bytes"] == 12 * shard
+    assert r["nostore_memory"]["state_bytes"] == 8 * shard  # store_params=False: no masters
 
 
 def test_bad_arguments_are_refused_before_anything():
@@ -347,6 +352,9 @@ def test_bad_arguments_are_refused_before_anything():
         DistributedFusedAdam(p, amsgrad=True)
     with pytest.raises(RuntimeError, match="with_scaled_states"):
         DistributedFusedAdam(p, with_scaled_states=True)
+    # apex's rule: the remainders replace the stored parameters.
+    with pytest.raises(RuntimeError, match="store_params=False with store_param_remainders=True"):
+        DistributedFusedAdam(p, store_param_remainders=True)
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="init_process_group"):
             DistributedFusedAdam(p)

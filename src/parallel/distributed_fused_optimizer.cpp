@@ -134,7 +134,8 @@ DistributedFusedOptimizer::DistributedFusedOptimizer(
   for (const auto& p : m.params) sig << ' ' << describe(p.tensor);
   sig << "; bucket_cap_mb " << s.bucket_cap_mb << ", grad_sync_dtype " << m.grad_dtype
       << ", param_sync_dtype " << m.param_dtype << ", store_param_remainders "
-      << s.store_param_remainders << ", message_cap_mb " << s.message_cap_mb << ", reduce-scatter "
+      << s.store_param_remainders << ", store_params " << s.store_params << ", message_cap_mb "
+      << s.message_cap_mb << ", reduce-scatter "
       << (m.algorithm == ReduceScatter::kNative ? "native" : "all-to-all");
   const auto sigs = group_.all_gather_string(sig.str());
   for (size_t r = 1; r < sigs.size(); ++r) {
@@ -211,7 +212,7 @@ at::Tensor DistributedFusedOptimizer::scaled_step(const at::Tensor& inv_scale) {
       try {
         update(inv_scale.defined() ? inv_scale.to(m.grad_shard.device()) : at::Tensor());
       } catch (...) {
-        m.master = at::Tensor();  // the remainders are the state; the merged copy goes
+        if (m.transient_masters) m.master = at::Tensor();  // the merged copy goes
         throw;
       }
       m.split_masters();

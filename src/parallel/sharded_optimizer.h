@@ -161,6 +161,9 @@ struct DistributedFusedOptimizer::Impl {
   // store_param_remainders: int16 [L] in place of `master`, which then exists only during a step
   // (merge_masters .. split_masters).
   at::Tensor remainders;
+  // The fp32 masters of the half parameters exist only during a step (remainders, or no
+  // store_params): made from the parameters (and remainders) before the kernel, dropped after.
+  bool transient_masters = false;
   at::Tensor contiguous;       // contiguous_grad_buffer
   std::vector<int64_t> steps;  // per group
 
@@ -237,9 +240,12 @@ struct DistributedFusedOptimizer::Impl {
     exp_avg_sq = at::zeros({shard_elements}, f32);
     grad_shard = at::zeros({shard_elements}, f32.dtype(grad_dtype));
     const bool remainder_bits = any_half() && settings.store_param_remainders;
-    master = any_half() && !remainder_bits ? at::zeros({shard_elements}, f32) : at::Tensor();
+    master = any_half() && !remainder_bits && settings.store_params
+                 ? at::zeros({shard_elements}, f32)
+                 : at::Tensor();
     // Zero remainders: every master starts as its parameter.
     remainders = remainder_bits ? at::zeros({shard_elements}, f32.dtype(at::kShort)) : at::Tensor();
+    transient_masters = any_half() && (remainder_bits || !settings.store_params);
     if (settings.contiguous_grad_buffer) {
       int64_t all = 0;
       for (const auto& b : buckets) all += b.size;
@@ -585,23 +591,30 @@ struct DistributedFusedOptimizer::Impl {
     return found;
   }
 
-  // store_param_remainders: this rank's fp32 masters for one step (the kernel rows read
-  // `master`), then back into the parameters' fragments and the remainders.
+  // Transient masters: this rank's fp32 masters for one step (the kernel rows read `master`),
+  // from the parameters' fragments and the remainders, then back into the remainders (the
+  // kernel wrote the parameters).
   void merge_masters() {
-    if (!remainders.defined()) return;
+    if (!transient_masters) return;
     master = at::empty({shard_elements}, grad_shard.options().dtype(at::kFloat));
     for (const auto& sf : local) {
-      if (params[sf.param].tensor.scalar_type() != at::kBFloat16) continue;
-      detail::merge_master(piece(sf), remainders.narrow(0, sf.local_offset, sf.length),
-                           master.narrow(0, sf.local_offset, sf.length));
+      if (params[sf.param].tensor.scalar_type() == at::kFloat) continue;
+      at::Tensor m = master.narrow(0, sf.local_offset, sf.length);
+      if (remainders.defined()) {
+        detail::merge_master(piece(sf), remainders.narrow(0, sf.local_offset, sf.length), m);
+      } else {
+        m.copy_(piece(sf));
+      }
     }
   }
   void split_masters() {
-    if (!remainders.defined() || !master.defined()) return;
-    for (const auto& sf : local) {
-      if (params[sf.param].tensor.scalar_type() != at::kBFloat16) continue;
-      detail::split_master(master.narrow(0, sf.local_offset, sf.length), piece(sf),
-                           remainders.narrow(0, sf.local_offset, sf.length));
+    if (!transient_masters || !master.defined()) return;
+    if (remainders.defined()) {
+      for (const auto& sf : local) {
+        if (params[sf.param].tensor.scalar_type() != at::kBFloat16) continue;
+        detail::split_master(master.narrow(0, sf.local_offset, sf.length), piece(sf),
+                             remainders.narrow(0, sf.local_offset, sf.length));
+      }
     }
     master = at::Tensor();
   }
@@ -754,7 +767,8 @@ struct DistributedFusedOptimizer::Impl {
         detail::merge_master(piece(sf), remainders.narrow(0, sf.local_offset, sf.length), dst);
         continue;
       }
-      dst.copy_(half ? master.narrow(0, sf.local_offset, sf.length) : piece(sf));
+      dst.copy_(half && master.defined() ? master.narrow(0, sf.local_offset, sf.length)
+                                         : piece(sf));
     }
     return out;
   }

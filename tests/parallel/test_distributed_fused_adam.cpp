@@ -151,7 +151,8 @@ struct Run {
   int inf_rank = 1;
   double clip = 0;
   bool contiguous = false;
-  double cap_mb = 0;  // message_cap_mb
+  double cap_mb = 0;         // message_cap_mb
+  bool store_params = true;  // false: no fp32 masters kept for half parameters
 };
 
 ap::DistributedFusedAdamOptions dfa_options(const Run& run) {
@@ -159,7 +160,8 @@ ap::DistributedFusedAdamOptions dfa_options(const Run& run) {
       .bucket_cap_mb(run.bucket_mb)
       .reduce_scatter(run.rs)
       .contiguous_grad_buffer(run.contiguous)
-      .message_cap_mb(run.cap_mb);
+      .message_cap_mb(run.cap_mb)
+      .store_params(run.store_params);
 }
 
 // The model's output, times its "scale" parameter when it has one: registered first, used last,
@@ -219,7 +221,11 @@ struct Reference {
     opt->step();
     const torch::NoGradGuard no_grad;
     for (size_t i = 0; i < master.size(); ++i) {
-      if (!master[i].is_same(params[i])) params[i].copy_(master[i]);
+      if (master[i].is_same(params[i])) continue;
+      params[i].copy_(master[i]);
+      // Without store_params the sharded optimizer keeps no master: the next step starts from
+      // the half parameter.
+      if (!run.store_params) master[i].copy_(params[i]);
     }
   }
 };
@@ -258,7 +264,8 @@ bool iteration(int rank, int world, int step, const Run& run, torch::nn::Sequent
   return stepped;
 }
 
-// The gathered state against the reference's: moments and fp32 masters.
+// The gathered state against the reference's: moments and fp32 masters (the parameters' values
+// without store_params).
 int compare_state(const ap::DistributedFusedOptimizer& opt, const Reference& ref, bool exact) {
   const auto cs = opt.consolidated_state_dict();
   const auto ref_sd = ref.opt->python_state_dict();
@@ -314,6 +321,7 @@ int equivalence(int rank, int world, const std::string& arg) {
   run.clip = std::stod(get(a, "clip", "0"));
   run.contiguous = get(a, "contiguous", "0") == "1";
   run.cap_mb = std::stod(get(a, "cap_mb", "0"));
+  run.store_params = get(a, "store_params", "1") == "1";
   const bool unused = get(a, "unused", "0") == "1";
   const bool scale_param = get(a, "scale", "0") == "1";
   const bool scaled = get(a, "scaler", "0") == "1" || run.inf_step >= 0;
@@ -328,7 +336,8 @@ int equivalence(int rank, int world, const std::string& arg) {
                  .bucket_cap_mb(run.bucket_mb)
                  .reduce_scatter(run.rs)
                  .contiguous_grad_buffer(run.contiguous)
-                 .message_cap_mb(run.cap_mb);
+                 .message_cap_mb(run.cap_mb)
+                 .store_params(run.store_params);
     opt_holder = std::make_unique<ap::DistributedFusedLAMB>(dflamb_groups(local), o, pg);
   } else {
     opt_holder =
@@ -470,6 +479,14 @@ int equivalence(int rank, int world, const std::string& arg) {
     }
     if (run.inf_step >= 0 && scaler->get_scale() != 512.0) {
       std::cout << "scale " << scaler->get_scale() << " after one skipped step, expected 512\n";
+      ++bad;
+    }
+  }
+  if (!run.store_params && run.dtype != at::kFloat) {
+    const auto mem = opt.memory();
+    if (mem.state_bytes != 8 * mem.shard_elements) {
+      std::cout << "store_params(false): " << mem.state_bytes << " bytes of state for "
+                << mem.shard_elements << " shard elements, expected 8 per element\n";
       ++bad;
     }
   }
@@ -942,6 +959,14 @@ TEST(DistributedFusedAdam, InitParamsBucketGivesGroupsTheirOwnBuckets) {
   run("dfa_equivalence", 3, "fixed=1,bucket_mb=100,dtype=bf16");
   run("dfa_equivalence", 3, "fixed=1,micro=3");
   run("dfa_equivalence", 2, "fixed=1,bucket_mb=100,opt=lamb");
+}
+// store_params(false): no fp32 master; each step updates the bf16 parameters from their own
+// values (the replay copies its masters back from the rounded parameters): bit-identical, 8 bytes
+// of state per shard element.
+TEST(DistributedFusedAdam, WithoutStoreParamsHalfParametersAreTheirOwnMasters) {
+  run("dfa_equivalence", 3, "dtype=bf16,store_params=0");
+  run("dfa_equivalence", 2, "dtype=bf16,store_params=0,micro=3,bucket_mb=100,scale=1");
+  run("dfa_equivalence", 2, "dtype=bf16,store_params=0,opt=lamb");
 }
 TEST(DistributedFusedAdam, UnusedParameterTravelsAsZeros) {
   run("dfa_equivalence", 3, "unused=1");

@@ -50,9 +50,13 @@ enum class ReduceScatter {
   /** One full-size gradient buffer for the whole model, kept, instead of a buffer per      */  \
   /** bucket that lives only until its reduce-scatter ends.                                 */  \
   TORCH_ARG(bool, contiguous_grad_buffer) = false;                                              \
+  /** Half parameters: keep an fp32 copy (the master) in the shard. false: none, each step   */ \
+  /** updates the half values themselves (8 bytes of state per element instead of 12).     */   \
+  TORCH_ARG(bool, store_params) = true;                                                         \
   /** bf16 parameters: keep 16-bit remainders instead of fp32 masters (the parameter is the  */ \
   /** master's high half, rounded half up; the remainder its low half): 2 bytes per element */  \
-  /** of the shard instead of 4, the same fp32 master bit for bit. CPU parameters only.     */  \
+  /** of the shard instead of 4, the same fp32 master bit for bit (store_params is then moot;*/ \
+  /** apex's Python class wants it false). CPU parameters only.                              */ \
   TORCH_ARG(bool, store_param_remainders) = false;                                              \
   /** Largest message of a bucket's exchanges in MiB per peer (0: one collective per bucket, */ \
   /** apex's). Above it a bucket's reduce-scatter and parameter all-gather go as several     */ \
@@ -77,13 +81,14 @@ struct ShardingSettings {
   ReduceScatter reduce_scatter = ReduceScatter::kAuto;
   bool store_param_remainders = false;
   double message_cap_mb = 0.0;
+  bool store_params = true;
 
   template <class Options>
   static ShardingSettings of(const Options& o) {
     return {o.bucket_cap_mb(),          o.pipeline_size(),          o.dtype(),
             o.grad_sync_dtype(),        o.param_sync_dtype(),       o.overlap_grad_sync(),
             o.average_grad_sync(),      o.contiguous_grad_buffer(), o.reduce_scatter(),
-            o.store_param_remainders(), o.message_cap_mb()};
+            o.store_param_remainders(), o.message_cap_mb(),         o.store_params()};
   }
 };
 

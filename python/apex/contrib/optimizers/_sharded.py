@@ -33,7 +33,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  device, process_group, distributed_process_group, redundant_process_group,
                  average_grad_sync, overlap_grad_sync, bucket_cap_mb, pipeline_size,
                  contiguous_grad_buffer, reduce_scatter, timeout, unsupported,
-                 store_param_remainders=False, message_cap_mb=0.0):
+                 store_params=True, store_param_remainders=False, message_cap_mb=0.0):
         if STABLE:
             raise RuntimeError(f"{who} is in the regular op library, not in the stable-ABI one "
                                f"that serves torch {torch.__version__}; {_REINSTALL}")
@@ -41,6 +41,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if value != ok:
                 raise RuntimeError(f"{who}: {name}={value!r} is not supported by apex-cpp "
                                    f"(expected {ok!r}); see docs/distributed.md")
+        if store_params and store_param_remainders:
+            raise RuntimeError(f"{who}: store_params=True and store_param_remainders=True: the "
+                               "remainders replace the stored parameters (pass "
+                               "store_params=False with store_param_remainders=True, as apex)")
         if redundant_process_group is not None:
             raise RuntimeError(f"{who}: redundant_process_group is not supported by apex-cpp "
                                "(the state is sharded over one group)")
@@ -63,6 +67,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                        overlap_grad_sync=float(bool(overlap_grad_sync)),
                        average_grad_sync=float(bool(average_grad_sync)),
                        contiguous_grad_buffer=float(bool(contiguous_grad_buffer)),
+                       store_params=float(bool(store_params)),
                        store_param_remainders=float(bool(store_param_remainders)),
                        message_cap_mb=float(message_cap_mb))
         names = dict(dtype="float32",

@@ -9,13 +9,15 @@ class DistributedFusedAdam(ShardedOptimizer):
     """apex's DistributedFusedAdam: the same constructor, param_groups, ``step(grad_scaler=)``,
     ``unscale_grads``, ``clip_grad_norm``, ``no_sync`` and ``state_dict()`` format 2.
 
-    ``device`` defaults to the parameters' device (apex: "cuda"). ``store_param_remainders``
-    (bf16 CPU parameters): 16-bit remainders instead of fp32 masters. ``message_cap_mb`` (ours,
-    default 0: off): a bucket's exchanges in collectives of at most this many MiB per peer, for
-    slow links between hosts (docs/distributed.md). Not supported (a clear
-    error): amsgrad, redundant_process_group, with_scaled_states, nccl_ub, capturable,
-    contiguous_param_buffer. overlap_param_sync is accepted; parameters are
-    all-gathered at the end of step()."""
+    ``device`` defaults to the parameters' device (apex: "cuda"). ``store_params=False``: no
+    fp32 copy of half parameters (each step updates them from their own values);
+    ``store_params=False, store_param_remainders=True`` (bf16 CPU parameters): 16-bit
+    remainders instead of fp32 masters (both True is refused, as apex refuses it).
+    ``message_cap_mb`` (ours, default 0: off): a bucket's exchanges in collectives of at most
+    this many MiB per peer, for slow links between hosts (docs/distributed.md). Not supported
+    (a clear error): amsgrad, redundant_process_group, with_scaled_states, nccl_ub, capturable,
+    contiguous_param_buffer. overlap_param_sync is accepted; parameters are all-gathered at the
+    end of step()."""
 
     _KIND = "adam"
     _HYPER = ("lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode")
@@ -41,8 +43,8 @@ class DistributedFusedAdam(ShardedOptimizer):
             overlap_grad_sync=overlap_grad_sync, bucket_cap_mb=bucket_cap_mb,
             pipeline_size=pipeline_size, contiguous_grad_buffer=contiguous_grad_buffer,
             reduce_scatter=reduce_scatter, timeout=timeout,
-            store_param_remainders=store_param_remainders, message_cap_mb=message_cap_mb,
+            store_params=store_params, store_param_remainders=store_param_remainders,
+            message_cap_mb=message_cap_mb,
             unsupported=[("with_scaled_states", with_scaled_states, False),
                          ("nccl_ub", nccl_ub, False), ("capturable", capturable, False),
-                         ("contiguous_param_buffer", contiguous_param_buffer, False),
-                         ("store_params", store_params, True)])
+                         ("contiguous_param_buffer", contiguous_param_buffer, False)])
