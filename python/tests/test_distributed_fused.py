@@ -208,6 +208,12 @@ def worker(rank, world, port, kind, case, out):
     os._exit(0)
 
 
+def assert_params_match(r, m):
+    """The ranks' parameters against the single-process reference model's."""
+    for got, want in zip(r["params"], m.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
 def run(tmp_path, kind, case, world=2):
     out = str(tmp_path / f"{kind}-{case}.pt")
     mp.start_processes(worker, args=(world, free_port(), kind, case, out), nprocs=world,
@@ -219,8 +225,7 @@ def run(tmp_path, kind, case, world=2):
 def test_two_ranks_train_as_one_process_on_the_whole_batch(tmp_path, kind):
     r = run(tmp_path, kind, "plain")
     m, ref = reference(kind)
-    for got, want in zip(r["params"], m.parameters()):
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    assert_params_match(r, m)
     # apex's format 2: per parameter its fp32 param and moments, and each group's step.
     state = r["state"]
     assert state["format"] == 2
@@ -241,8 +246,7 @@ def test_two_ranks_train_as_one_process_on_the_whole_batch(tmp_path, kind):
 def test_init_params_bucket_gives_a_layer_its_own_bucket(tmp_path, kind):
     r = run(tmp_path, kind, "bucketed")
     m, _ = reference(kind)
-    for got, want in zip(r["params"], m.parameters()):
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    assert_params_match(r, m)
     # Two padded buckets (144 and 68 elements, to multiples of 64) instead of one (212 to 256).
     assert r["memory"]["shard_elements"] == (192 + 128) // 2
     assert "is not one of this optimizer's parameters" in r["refused"]
@@ -252,15 +256,13 @@ def test_init_params_bucket_gives_a_layer_its_own_bucket(tmp_path, kind):
 def test_message_cap_sends_a_bucket_in_pieces_to_the_same_result(tmp_path, kind):
     r = run(tmp_path, kind, "pieces")
     m, _ = reference(kind)
-    for got, want in zip(r["params"], m.parameters()):
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    assert_params_match(r, m)
 
 
 def test_grad_scaler_skips_an_overflow_on_every_rank(tmp_path):
     r = run(tmp_path, "adam", "scaler")
     m, _ = reference("adam", skip=(1,))
-    for got, want in zip(r["params"], m.parameters()):
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    assert_params_match(r, m)
     # torch's GradScaler saw the skip (backoff) and the clean steps (growth every 2).
     assert r["scales"] == [1024.0, 512.0, 512.0, 1024.0]
     assert r["state"]["param_groups"][0]["step"] == STEPS - 1
@@ -271,15 +273,13 @@ def test_unscale_grads_then_clip_as_torch_clips_the_whole_batch(tmp_path):
     m, _, norms = reference("adam", clip=0.05)
     assert r["norms"] == pytest.approx(norms, rel=1e-5)
     assert min(norms) > 0.05  # every step clipped
-    for got, want in zip(r["params"], m.parameters()):
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    assert_params_match(r, m)
 
 
 def test_no_sync_micro_batches_equal_their_sum_on_the_whole_batch(tmp_path):
     r = run(tmp_path, "adam", "accumulate")
     m, _ = reference("adam", micro=2)
-    for got, want in zip(r["params"], m.parameters()):
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    assert_params_match(r, m)
 
 
 def test_format_2_moves_from_two_ranks_to_one(tmp_path):
@@ -287,8 +287,7 @@ def test_format_2_moves_from_two_ranks_to_one(tmp_path):
     torch.save(first, str(tmp_path / "adam-second-half.pt.in"))
     r = run(tmp_path, "adam", "second-half", world=1)
     m, _ = reference("adam")
-    for got, want in zip(r["params"], m.parameters()):
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    assert_params_match(r, m)
     assert r["state"]["param_groups"][0]["step"] == STEPS
 
 

@@ -495,8 +495,9 @@ struct DistributedFusedOptimizer::Impl {
     if (ps.size() > 1) {
       b.sent = take(b.size, grad_dtype);
       const at::Tensor rows = full.view({world, b.shard});
-      for (const auto& c : ps)
+      for (const auto& c : ps) {
         block(b.sent, c).view({world, c.length}).copy_(rows.narrow(1, c.offset, c.length));
+      }
       if (!settings.contiguous_grad_buffer) give(std::move(b.full));
     }
     const at::Tensor& send = ps.size() > 1 ? b.sent : full;
