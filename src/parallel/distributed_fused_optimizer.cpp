@@ -127,6 +127,13 @@ DistributedFusedOptimizer::DistributedFusedOptimizer(
     info.numel = p.numel();
     m.params.push_back(std::move(info));
   }
+  TORCH_CHECK(
+      !s.store_param_remainders ||
+          std::any_of(m.params.begin(), m.params.end(),
+                      [](const Impl::Param& p) { return p.tensor.scalar_type() == at::kBFloat16; }),
+      kWho,
+      ": store_param_remainders keeps bf16 parameters' low halves, and no parameter is "
+      "BFloat16 (Float parameters are their own masters: use store_param_remainders(false))");
 
   // Every rank must lay out the same parameters: compared before any sized collective.
   std::ostringstream sig;

@@ -777,6 +777,18 @@ int remainders(int rank, int world, const std::string& arg) {
                    "loaded master " + std::to_string(i));
   }
   bad += compare(c->parameters(), a->parameters(), true, at::kBFloat16, "loaded model");
+  // fp32: nothing to keep remainders of, refused.
+  try {
+    remainder_optimizer(lamb, mlp()->parameters(), true, pg);
+    std::cout << "fp32 parameters with store_param_remainders were accepted\n";
+    ++bad;
+  } catch (const c10::Error& e) {
+    if (std::string(e.what_without_backtrace()).find("no parameter is BFloat16") ==
+        std::string::npos) {
+      std::cout << "unexpected message: " << e.what_without_backtrace() << "\n";
+      ++bad;
+    }
+  }
   // fp16: refused before anything collective.
   auto h = mlp();
   h->to(at::kHalf);
