@@ -839,7 +839,9 @@ int fault(int rank, int world, const std::string& arg) {
     std::cout << "different layouts were accepted\n";
     return 1;
   }
-  ap::DistributedFusedAdam opt(local->parameters(), dfa_options(Run{}), pg);
+  Run run;
+  run.cap_mb = std::stod(get(a, "cap_mb", "0"));  // the exchanges in pieces
+  ap::DistributedFusedAdam opt(local->parameters(), dfa_options(run), pg);
   const at::Tensor x = inputs(0, 0).slice(0, 0, 6);
   at::mse_loss(local->forward(x), targets(0, 0).slice(0, 0, 6)).backward();
   if (rank == 1) _exit(3);  // dies with its reduce-scatters started
@@ -1104,12 +1106,16 @@ TEST(MultiNode, LoopbackHostnameWithoutInterfaceFailsFastOnEveryRank) {
 TEST(DistributedFusedAdam, OnAWrappedC10dGroupAsOnItsOwn) { run("dfa_wrapped", 2, ""); }
 
 TEST(DistributedFusedAdam, DeadRankFailsTheOthersWithinTheTimeout) {
-  LaunchOptions o;
-  o.world = 2;
-  o.arg = "mode=dead";
-  o.deadline_s = 40;
-  const auto r = launch("dfa_fault", o);
-  EXPECT_EQ(r[0].exit_code, 0) << apex::test::describe(r);
-  EXPECT_LT(r[0].seconds, 30) << apex::test::describe(r);
-  EXPECT_NE(r[0].output.find("DistributedFusedAdam"), std::string::npos) << apex::test::describe(r);
+  // As one collective per bucket, and in pieces (message_cap_mb).
+  for (const char* arg : {"mode=dead", "mode=dead,cap_mb=0.0001"}) {
+    LaunchOptions o;
+    o.world = 2;
+    o.arg = arg;
+    o.deadline_s = 40;
+    const auto r = launch("dfa_fault", o);
+    EXPECT_EQ(r[0].exit_code, 0) << arg << apex::test::describe(r);
+    EXPECT_LT(r[0].seconds, 30) << arg << apex::test::describe(r);
+    EXPECT_NE(r[0].output.find("DistributedFusedAdam"), std::string::npos)
+        << arg << apex::test::describe(r);
+  }
 }
