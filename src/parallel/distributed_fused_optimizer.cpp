@@ -319,7 +319,7 @@ void DistributedFusedOptimizer::init_params_bucket(const std::vector<at::Tensor>
   }
   std::vector<int64_t> group;
   std::string error;
-  for (size_t k = 0; k < params.size() && error.empty(); ++k) {
+  for (size_t k = 0; k < params.size(); ++k) {
     const auto it = std::find_if(m.params.begin(), m.params.end(),
                                  [&](const Impl::Param& p) { return p.tensor.is_same(params[k]); });
     if (it == m.params.end()) {

@@ -724,15 +724,7 @@ struct DistributedFusedOptimizer::Impl {
               works[bi].push_back(pg->recv(in, static_cast<int>(r), tag(j)));
             }
           }
-        } else if (pieces[bi].size() > 1) {
-          // In pieces (message_cap_mb): an all-gather each, which the backend's worker threads
-          // run a few at a time (point-to-point messages would all be queued at once).
-          for (const auto& c : pieces[bi]) {
-            at::Tensor out = block(bufs[bi].second, c);
-            at::Tensor in = bufs[bi].first.narrow(0, c.offset, c.length);
-            works[bi].push_back(pg->all_gather_single(out, in));
-          }
-        } else if (p2p) {
+        } else if (p2p && pieces[bi].size() == 1) {
           const int tag = static_cast<int>(bi);
           for (int64_t r = 0; r < world; ++r) {
             if (r == rank) continue;
@@ -742,7 +734,13 @@ struct DistributedFusedOptimizer::Impl {
             works[bi].push_back(pg->recv(in, static_cast<int>(r), tag));
           }
         } else {
-          works[bi].push_back(pg->all_gather_single(bufs[bi].second, bufs[bi].first));
+          // An all-gather per piece (one without message_cap_mb), which the backend's worker
+          // threads run a few at a time (point-to-point messages would all be queued at once).
+          for (const auto& c : pieces[bi]) {
+            at::Tensor out = block(bufs[bi].second, c);
+            at::Tensor in = bufs[bi].first.narrow(0, c.offset, c.length);
+            works[bi].push_back(pg->all_gather_single(out, in));
+          }
         }
       } catch (const std::exception& e) {
         TORCH_CHECK(false, where(), ": the parameter all-gather of bucket ", bi,
