@@ -20,6 +20,11 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
                                                     std::chrono::milliseconds timeout,
                                                     const std::string& hostname);
 
+/// Whether Gloo's transport thread calls our handler around a pair's events (an exception there
+/// becomes the pair's error instead of std::terminate; gloo_transport_guard.cpp). False where this
+/// build has no Gloo, or where the process did not bind Gloo's names to ours.
+bool gloo_transport_guarded();
+
 /// Whether this build has the NCCL backend (a CUDA LibTorch and nccl.h at configure time).
 bool have_nccl();
 

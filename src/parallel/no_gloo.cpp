@@ -7,6 +7,8 @@ namespace apex::parallel::detail {
 
 bool have_gloo() { return false; }
 
+bool gloo_transport_guarded() { return false; }
+
 c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>&, int,
                                                     int, std::chrono::milliseconds,
                                                     const std::string&) {

@@ -307,9 +307,11 @@ ProcessGroup process_group_of(c10::intrusive_ptr<c10d::ProcessGroup> group, c10:
 namespace {
 
 // A Gloo transport thread that finds a peer's data of another size than expected (ranks that
-// called different collectives) throws where nothing catches it: std::terminate, SIGABRT and a
-// core. Such an exception becomes one line naming the rank and exit status 1 instead. Every other
-// uncaught exception goes to the handler there was before.
+// called different collectives) throws where Gloo has no handler: std::terminate, SIGABRT and a
+// core. gloo_transport_guard.cpp catches it where the executable binds Gloo's names to ours (the
+// collective's call throws instead); here, what is left (that guard not in effect, Gloo's listener
+// or deferred callbacks) becomes one line naming the rank and exit status 1. Every other uncaught
+// exception goes to the handler there was before.
 std::atomic<int64_t> terminate_rank{-1};
 std::atomic<int64_t> terminate_world{0};
 std::terminate_handler previous_terminate = nullptr;
