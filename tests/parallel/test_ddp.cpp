@@ -429,6 +429,18 @@ int fault(int rank, int world, const std::string& arg) {
     }
     return 0;
   }
+  if (arg == "thread_exception") {
+    // What the guard around Gloo's pair events does not cover (its listener failing to accept,
+    // its deferred callbacks, a binary without the guard): an exception of Gloo's on a thread of
+    // its own. The handler init_process_group installed ends the process with one line, status 1.
+    std::thread([] {
+      throw std::runtime_error(
+          "[enforce fail at gloo/transport/tcp/listener.cc] accept: Too many "
+          "open files");
+    }).join();
+    std::cout << "the thread's exception did not end the process\n";
+    return 0;
+  }
   if (arg == "diff_dtypes") {
     // Another opt level's model on rank 1: bf16 weights where rank 0 has fp32.
     torch::manual_seed(1);
@@ -648,6 +660,18 @@ TEST(DdpFaults, MismatchedCollectiveIsAnErrorAtTheCallNotAnAbort) {
     EXPECT_LT(x.seconds, 4 + 5) << apex::test::describe(r);
   }
   EXPECT_TRUE(named) << apex::test::describe(r);
+}
+
+TEST(DdpFaults, GlooExceptionOnAThreadOfItsOwnEndsInOneLine) {
+  const auto r = launch_fault("thread_exception", {0, 1});
+  for (const auto& x : r) {
+    EXPECT_EQ(x.exit_code, 1) << apex::test::describe(r);  // not a signal (SIGABRT), not 0
+    EXPECT_NE(x.output.find("a collective failed on a communication thread: [enforce fail at "
+                            "gloo/transport/tcp/listener.cc] accept: Too many open files"),
+              std::string::npos)
+        << apex::test::describe(r);
+    EXPECT_EQ(x.output.find("terminate called"), std::string::npos) << apex::test::describe(r);
+  }
 }
 
 // In-process checks of the group of one and of bad options.
