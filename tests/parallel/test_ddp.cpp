@@ -405,6 +405,21 @@ int fault(int rank, int world, const std::string& arg) {
     return expect_error([&] { ap::init_process_group(quick); },
                         "joined the group twice|could not connect to the other ranks");
   }
+  if (arg == "mismatched_broadcast") {
+    // A collective whose receiver posts one receive: the data of another size arrives for the
+    // receive Gloo already took from its queue. The receiving rank's call fails at once with the
+    // cause (not after the group's timeout, 30 s here); the root's next call fails at once.
+    auto pg = ap::init_process_group(ap::ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    at::Tensor t = at::ones({rank == 0 ? 4096 : 16});
+    if (rank == 1) {
+      return expect_error([&] { pg.broadcast_(t, 0); }, "Gloo's transport thread failed: ");
+    }
+    try {
+      pg.broadcast_(t, 0);  // the root's send may complete before the receiver finds the size
+    } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): the next call must fail
+    }
+    return expect_error([&] { pg.all_reduce_(t); }, "Connection|closed");
+  }
   auto pg = ap::init_process_group(quick);
   if (arg == "mismatched_collective") {
     // Different sizes on the two ranks: Gloo's transport thread throws. The error reaches this
@@ -660,6 +675,16 @@ TEST(DdpFaults, MismatchedCollectiveIsAnErrorAtTheCallNotAnAbort) {
     EXPECT_LT(x.seconds, 4 + 5) << apex::test::describe(r);
   }
   EXPECT_TRUE(named) << apex::test::describe(r);
+}
+
+TEST(DdpFaults, MismatchedBroadcastFailsTheReceiverAtOnce) {
+  // Before: the receiver's one receive was not woken and waited out the 30 s timeout.
+  const auto r = launch_fault("mismatched_broadcast", {0, 1});
+  EXPECT_TRUE(all_ranks_passed(r));
+  for (const auto& x : r) {
+    EXPECT_EQ(x.output.find("terminate called"), std::string::npos) << apex::test::describe(r);
+    EXPECT_LT(x.seconds, 10) << apex::test::describe(r);
+  }
 }
 
 TEST(DdpFaults, GlooExceptionOnAThreadOfItsOwnEndsInOneLine) {
