@@ -9,15 +9,17 @@
 // relocations (the loop: the vtable slot of the pair's Handler base; Pair::read: prepareRead's
 // PLT slot); definitions of the same names in the executable come first in the lookup scope and
 // take those slots. Each calls Gloo's own (the next definition, dlsym(RTLD_NEXT)) inside try:
-// - prepareRead: an exception there comes after Gloo took the receive it was reading into off the
-//   pair's queue, where the pair's error no longer reaches it (a broadcast's one receive would
-//   wait out the whole timeout); that receive's buffer gets the error first, then it goes on.
-// - handleEvents: the exception has unwound the pair's lock; the pair takes it through Gloo's own
-//   signalExceptionExternal, the route of Gloo's timeouts: the collectives waiting on the pair
-//   fail with it, later ones on it fail with it too, and its socket closes, so the peer's fail.
-// One hazard is left, as narrow as Gloo's own: Gloo's loop only try-locks a pair, while
-// signalExceptionExternal waits for the lock; a thread that closes that very pair at that instant
-// (destroying the group, or a timeout of its own) holds the lock while it waits for the loop.
+// - prepareRead (where a peer's data of another size or for no pending receive throws): the
+//   receive Gloo already took off the pair's queue gets the error (the pair's error no longer
+//   reaches it: a broadcast's one receive waited out the whole timeout), then the pair, as
+//   Pair::read gives it a socket error, under the lock read's caller holds: the collectives waiting
+//   on the pair fail with it, later ones on it fail with it too, its socket closes, so the peer's
+//   fail.
+// - handleEvents (anything else on the loop thread): the exception has unwound the pair's lock; the
+//   pair takes it through Gloo's signalExceptionExternal, the route of Gloo's timeouts. One hazard
+//   is left there, as narrow as Gloo's own: the loop only try-locks a pair, this waits for the
+//   lock; a thread closing that very pair at that instant (destroying the group, or a timeout of
+//   its own) holds the lock while it waits for the loop.
 //
 // The names are Itanium-ABI mangled names of this gloo's members (`this` is the first argument;
 // a return type is not in the name, see signalExceptionExternal): if a torch renamed or relaid
@@ -64,6 +66,10 @@ std::exception_ptr
 apex_gloo_pair_signal_exception_external(void* pair, const std::string& message) __asm__(
     "_ZN4gloo9transport3tcp4Pair23signalExceptionExternalERKNSt7__cxx1112basic_stringIcSt11"
     "char_traitsIcESaIcEEE");
+// void gloo::transport::tcp::Pair::signalException(const std::string&) (the pair's lock held),
+void apex_gloo_pair_signal_exception(void* pair, const std::string& message) __asm__(
+    "_ZN4gloo9transport3tcp4Pair15signalExceptionERKNSt7__cxx1112basic_stringIcSt11char_"
+    "traitsIcESaIcEEE");
 // void gloo::transport::tcp::UnboundBuffer::signalException(std::exception_ptr) (the argument, a
 // class with a destructor, goes by hidden reference in both declarations alike).
 void apex_gloo_unbound_buffer_signal_exception(void* buffer, std::exception_ptr error) __asm__(
@@ -121,17 +127,27 @@ extern "C" ssize_t apex_gloo_pair_prepare_read(void* pair, void* op, void* buffe
   } catch (abi::__forced_unwind&) {
     throw;
   } catch (...) {
+    const std::exception_ptr failure = std::current_exception();
+    const std::string message = message_for(failure);
     // buffer_ref is a gloo::NonOwningPtr<UnboundBuffer>, a boxed std::shared_ptr whose first word
     // is the buffer; set where the throw came after the receive was taken off the queue.
     if (void* buffer = *static_cast<void**>(buffer_ref)) {
       try {
         apex_gloo_unbound_buffer_signal_exception(
-            buffer,
-            std::make_exception_ptr(std::runtime_error(message_for(std::current_exception()))));
-      } catch (...) {  // NOLINT(bugprone-empty-catch): the pair still gets the original below
+            buffer, std::make_exception_ptr(std::runtime_error(message)));
+      } catch (...) {  // NOLINT(bugprone-empty-catch): the pair still gets the error below
       }
     }
-    throw;
+    // Pair::read calls this with the pair's lock held (by the loop's handleEvents, or by a
+    // receive in sync mode): the pair takes the error as read() gives it a socket's, and -1
+    // ("nothing to read yet") ends read() as after one (in sync mode it then throws the pair's
+    // error). Should that fail, the exception goes on to handleEvents' handler.
+    try {
+      apex_gloo_pair_signal_exception(pair, message);
+    } catch (...) {
+      std::rethrow_exception(failure);
+    }
+    return -1;
   }
 }
 
