@@ -15,4 +15,16 @@ inline std::string message_of(const std::exception& e) {
   return c != nullptr ? c->what_without_backtrace() : e.what();
 }
 
+/// The message of the exception `e` holds; empty for none or one that is no std::exception.
+inline std::string message_of(const std::exception_ptr& e) {
+  if (!e) return {};
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return message_of(x);
+  } catch (...) {
+    return {};
+  }
+}
+
 }  // namespace apex::parallel::detail

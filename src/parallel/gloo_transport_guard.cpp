@@ -36,6 +36,7 @@
 #include <string>
 
 #include "parallel/backends.h"
+#include "parallel/errors.h"
 
 #define APEX_GLOO_PAIR_HANDLE_EVENTS "_ZN4gloo9transport3tcp4Pair12handleEventsERNS1_4LoopEi"
 // The non-virtual thunk the loop calls through the Handler base (at offset 16 in the pair).
@@ -94,13 +95,8 @@ PrepareRead gloos_prepare_read() {
 }
 
 std::string message_for(const std::exception_ptr& e) {
-  std::string what = "an exception of unknown type";
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    what = x.what();
-  } catch (...) {  // NOLINT(bugprone-empty-catch): named as unknown above
-  }
+  std::string what = apex::parallel::detail::message_of(e);
+  if (what.empty()) what = "an exception of unknown type";
   return "apex::parallel: Gloo's transport thread failed: " + what +
          " (the ranks called different collectives: different settings, models or code paths, "
          "or a peer sent bad data); this connection is closed, every later collective on it fails";

@@ -317,15 +317,7 @@ std::atomic<int64_t> terminate_world{0};
 std::terminate_handler previous_terminate = nullptr;
 
 [[noreturn]] void on_terminate() {
-  std::string what;
-  if (const std::exception_ptr e = std::current_exception()) {
-    try {
-      std::rethrow_exception(e);
-    } catch (const std::exception& x) {
-      what = message_of(x);
-    } catch (...) {  // NOLINT(bugprone-empty-catch): not ours, passed on below
-    }
-  }
+  const std::string what = message_of(std::current_exception());
   if (what.find("gloo") != std::string::npos || what.find("c10d") != std::string::npos) {
     std::fprintf(stderr,
                  "apex::parallel: rank %lld of %lld: a collective failed on a communication "
