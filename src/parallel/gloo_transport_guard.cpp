@@ -48,7 +48,7 @@
 #define APEX_GLOO_PAIR_VTABLE "_ZTVN4gloo9transport3tcp4PairE"
 
 extern "C" {
-// Ours (exported from the executable, see src/CMakeLists.txt):
+// Ours (in the executable's dynamic symbols, see src/CMakeLists.txt):
 // void gloo::transport::tcp::Pair::handleEvents(Loop&, int) and its thunk,
 __attribute__((visibility("default"))) void apex_gloo_pair_handle_events(
     void* pair, void* loop, int events) __asm__(APEX_GLOO_PAIR_HANDLE_EVENTS);
